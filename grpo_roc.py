@@ -1,0 +1,257 @@
+"""GRPO-RoC: the data selection and the loss of rStar2-Agent, as pure functions.
+
+Implements section 4 of /work/shared/design/rstar2-agent.md, which follows the GRPO-RoC part of the report
+(Shang et al. 2025, "rStar2-Agent: Agentic Reasoning Technical Report", arXiv 2508.20722):
+
+1. `drop_equal_groups`: a prompt whose 2G rollouts all have the same reward gives no signal and is dropped.
+2. `resample_on_correct` (RoC): one group of 2G rollouts down to G. Counts are proportional to the
+   positive/negative split, with at least min(2, available) of each and exactly G in total (rule in
+   `roc_counts`). Negatives are taken uniformly; positives without replacement with weight
+   1 / (p_total + ROC_WEIGHT_EPS), so clean successes are preferred. p_total = p_err + p_format
+   (`tool_error_penalty`, `format_penalty`, `penalty_total`).
+3. `group_advantages`: A_i = (r_i - mean) / (std + 1e-6) per group of G, std unbiased (n - 1).
+4. `policy_loss`: token-level clipped surrogate (DAPO-style, clip 0.2 / 0.28), summed over all unmasked
+   tokens and divided by the token count of the whole optimizer step (`num_tokens`), so micro-batches and
+   data-parallel ranks add up to exactly the big-batch gradient (verl only approximates this per
+   micro-batch). `sequence_mean_policy_loss` is the original GRPO aggregation, for ablations.
+
+Report vs public code (design section 9), as offered here:
+- RoC selection: mode="sample" (report, default) or mode="lowest" (public code: positives by lowest
+  penalty, ties by rollout order; negatives the first k in rollout order). Counts: Python's round (ties to
+  even) as the public code uses, so both modes keep the public code's counts when keep = 2G / 2.
+- Optional dual clip (verl's c = 3.0 for A < 0, not in the report): dual_clip=None (off) by default.
+- What counts as a failed call and how many turns p_format divides by are the caller's counts; the public
+  code's p_format divides by the turns after the first (pass num_turns - 1 to mimic it).
+
+Left out on purpose, as in the report's recipe (design section 4): no KL penalty and hence no reference
+model (it would cost a second model in memory and a forward pass per step, and it ties the policy to the SFT
+model the RL stage is meant to move away from); no entropy bonus (the asymmetric clip-higher bound 0.28 is what
+keeps exploration here, and an entropy term is a known source of instability). No ranks, logging or config
+objects either: callers do that.
+
+Run `python grpo_roc.py` for a toy walk-through; tests are in tests/test_grpo_roc.py.
+"""
+import torch
+
+# Weight of a positive rollout in RoC sampling is 1 / (p_total + ROC_WEIGHT_EPS). The report writes 1 / p_total,
+# which is infinite for a clean rollout (p_total = 0: tool calls all succeeded and exactly one answer block).
+# A small eps keeps that limit: clean rollouts are taken before any penalised one (weight 1e6 against at most
+# 1 / 0.25 = 4 for the smallest nonzero penalty a short rollout gets), uniformly among themselves, and the
+# arithmetic stays finite. Weights are computed in float64, where 1e6 against 0.5 loses nothing.
+ROC_WEIGHT_EPS = 1e-6
+NO_TOOL_CALL_PENALTY = 0.5  # p_err of a rollout that made no tool call (a mild push toward using the tool)
+
+
+# ----------------------------------------------------------------------------------- RoC penalties
+def tool_error_penalty(num_calls: int, num_failed: int) -> float:
+    """p_err: 0.5 with no calls, else the fraction of calls that failed (bad JSON, unknown tool, error, timeout)."""
+    if num_calls < 0 or not 0 <= num_failed <= max(num_calls, 0):
+        raise ValueError(f"need 0 <= num_failed <= num_calls, got {num_failed=} {num_calls=}")
+    if num_calls == 0:
+        return NO_TOOL_CALL_PENALTY
+    # p_err = failed / calls
+    return num_failed / num_calls
+
+
+def format_penalty(num_answers: int, num_turns: int) -> float:
+    """p_format: 1 with no complete <answer>...</answer>, else min(1, (answers - 1) / assistant_turns)."""
+    if num_answers < 0 or (num_answers > 0 and num_turns < 1):
+        raise ValueError(f"need num_answers >= 0 and num_turns >= 1 when answers > 0, got {num_answers=} {num_turns=}")
+    if num_answers == 0:
+        return 1.0
+    # p_format = min(1, (answers - 1) / turns)
+    return min(1.0, (num_answers - 1) / num_turns)
+
+
+def penalty_total(num_calls: int, num_failed: int, num_answers: int, num_turns: int) -> float:
+    """p_total = p_err + p_format, in [0, 2]; 0 is a clean rollout."""
+    return tool_error_penalty(num_calls, num_failed) + format_penalty(num_answers, num_turns)
+
+
+# ----------------------------------------------------------------------------------- group filtering and RoC
+def drop_equal_groups(rewards) -> list[int]:
+    """Indices of the groups that carry signal. rewards: (B, 2G) nested list or tensor. A group whose rewards are
+    all equal (all right or all wrong) has zero advantage everywhere, so it is dropped (no refill)."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)  # (B, 2G)
+    has_signal = (rewards != rewards[:, :1]).any(dim=1)  # (B,)
+    return has_signal.nonzero().flatten().tolist()
+
+
+def roc_counts(n_pos: int, n_neg: int, keep: int) -> tuple[int, int]:
+    """(positives kept, negatives kept) for one group; they sum to exactly `keep`.
+
+    n_pos_keep = round(keep * n_pos / (n_pos + n_neg)) with Python's round (ties to even, as the public code),
+    then clamped to [min(2, n_pos), keep - min(2, n_neg)] (the minimum-of-2 rule; skipped when keep < 4 makes
+    the two minimums incompatible), then to [keep - n_neg, n_pos] (what is available). n_neg_keep = keep - n_pos_keep.
+    A degenerate group (all positive or all negative) keeps `keep` of the one kind it has.
+    """
+    if not 0 <= keep <= n_pos + n_neg:
+        raise ValueError(f"keep must be in [0, {n_pos + n_neg}], got {keep}")
+    if keep == 0:
+        return 0, 0
+    # n_pos_keep = round(keep * n_pos / n_total)
+    n = round(keep * n_pos / (n_pos + n_neg))
+    low, high = min(2, n_pos), keep - min(2, n_neg)
+    if low <= high:
+        n = min(max(n, low), high)
+    n = min(max(n, keep - n_neg), n_pos)
+    return n, keep - n
+
+
+def _select_sample(pos, pos_penalty, neg, n_pos_keep, n_neg_keep, generator):
+    """Report rule: positives without replacement with P proportional to 1 / (p_total + eps); negatives uniform."""
+    chosen = []
+    if n_pos_keep > 0:
+        # w_i = 1 / (p_i + eps); torch.multinomial without replacement draws one at a time from what is left
+        weights = 1.0 / (torch.tensor(pos_penalty, dtype=torch.float64) + ROC_WEIGHT_EPS)
+        chosen += [pos[i] for i in torch.multinomial(weights, n_pos_keep, replacement=False, generator=generator)]
+    if n_neg_keep > 0:
+        chosen += [neg[i] for i in torch.randperm(len(neg), generator=generator)[:n_neg_keep]]
+    return chosen
+
+
+def _select_lowest(pos, pos_penalty, neg, n_pos_keep, n_neg_keep, generator):
+    """Public code rule: positives in order of lowest penalty (ties by rollout order); the first negatives."""
+    by_penalty = sorted(range(len(pos)), key=lambda i: (pos_penalty[i], pos[i]))
+    return [pos[i] for i in by_penalty[:n_pos_keep]] + neg[:n_neg_keep]
+
+
+ROC_SELECTORS = {"sample": _select_sample, "lowest": _select_lowest}
+
+
+def resample_on_correct(rewards, penalties, keep: int, mode: str = "sample", generator=None) -> list[int]:
+    """Resample-on-Correct for ONE group: the indices (sorted ascending) of the `keep` (= G) rollouts kept.
+
+    rewards: (2G,) 0/1 list or tensor; a rollout is positive when its reward is > 0.
+    penalties: (2G,) p_total per rollout (only the positives' are used). generator: torch.Generator for mode="sample".
+    mode: a key of ROC_SELECTORS ("sample": report; "lowest": public code).
+    """
+    if mode not in ROC_SELECTORS:
+        raise ValueError(f"unknown RoC mode {mode!r}; valid modes: {sorted(ROC_SELECTORS)}")
+    rewards = torch.as_tensor(rewards, dtype=torch.float64).flatten().tolist()
+    penalties = torch.as_tensor(penalties, dtype=torch.float64).flatten().tolist()
+    if len(rewards) != len(penalties):
+        raise ValueError(f"rewards and penalties differ in length: {len(rewards)} vs {len(penalties)}")
+    pos = [i for i, r in enumerate(rewards) if r > 0]
+    neg = [i for i, r in enumerate(rewards) if r <= 0]
+    pos_penalty = [penalties[i] for i in pos]
+    if any(p < 0 for p in pos_penalty):
+        raise ValueError(f"penalties must be >= 0, got {pos_penalty}")
+    n_pos_keep, n_neg_keep = roc_counts(len(pos), len(neg), keep)
+    chosen = ROC_SELECTORS[mode](pos, pos_penalty, neg, n_pos_keep, n_neg_keep, generator)
+    return sorted(int(i) for i in chosen)
+
+
+# ----------------------------------------------------------------------------------- advantages
+def group_advantages(rewards, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """(N,) rewards, consecutive groups of `group_size` (= G) -> (N,) advantages, one per rollout."""
+    rewards = torch.as_tensor(rewards)
+    rewards = rewards.float() if not rewards.is_floating_point() else rewards
+    if group_size < 2 or rewards.numel() % group_size != 0:
+        raise ValueError(f"need group_size >= 2 dividing N = {rewards.numel()}, got {group_size}")
+    grouped = rewards.reshape(-1, group_size)  # (B, G)
+    # mean_b = (1/G) sum_i r_bi ; std_b = sqrt(sum_i (r_bi - mean_b)^2 / (G - 1))   (unbiased)
+    mean, std = grouped.mean(dim=1, keepdim=True), grouped.std(dim=1, unbiased=True, keepdim=True)
+    # A_bi = (r_bi - mean_b) / (std_b + eps)
+    return ((grouped - mean) / (std + eps)).reshape(-1)
+
+
+# ----------------------------------------------------------------------------------- policy loss
+def _token_loss(logp, old_logp, advantages, loss_mask, clip_low, clip_high, dual_clip):
+    """Per-token clipped surrogate loss (N, T), exactly 0 where loss_mask is 0, and the (N, T) log-ratio."""
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (verl uses 3.0), got {dual_clip}")
+    mask = loss_mask.bool()  # (N, T)
+    # log ratio_t = logp_t - old_logp_t, replaced by 0 where masked, so garbage there cannot reach exp() or the grad
+    log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(logp.dtype).unsqueeze(1)  # (N, 1): every token of rollout i gets A_i
+    # l_t = -min(ratio_t * A, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A)
+    loss = -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv)
+    if dual_clip is not None:
+        # dual clip, A < 0 only: l_t = min(l_t, -c * A) bounds the loss when ratio_t > c
+        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
+    return torch.where(mask, loss, torch.zeros_like(loss)), log_ratio
+
+
+@torch.no_grad()
+def _loss_metrics(log_ratio, advantages, loss_mask, clip_low, clip_high, dual_clip) -> dict:
+    """Plain-float diagnostics, averaged over the masked tokens of this call."""
+    mask = loss_mask.bool()
+    n = max(int(mask.sum()), 1)
+    ratio, adv = torch.exp(log_ratio), advantages.unsqueeze(1)
+
+    def frac(active):  # fraction of masked tokens where `active` holds
+        return float((active & mask).sum()) / n
+
+    # k3 = (ratio - 1) - log ratio, ratio = p_new / p_old on tokens sampled from old: an unbiased, always >= 0
+    # estimate of KL(old || new) (Schulman, "Approximating KL divergence", 2020)
+    k3 = (ratio - 1.0) - log_ratio
+    return {
+        "clip_frac_low": frac((adv < 0) & (ratio < 1.0 - clip_low)),
+        "clip_frac_high": frac((adv > 0) & (ratio > 1.0 + clip_high)),
+        "dual_clip_frac": frac((adv < 0) & (ratio > dual_clip)) if dual_clip is not None else 0.0,
+        "ratio_mean": float((ratio * mask).sum()) / n,
+        "approx_kl": float((k3 * mask).sum()) / n,
+    }
+
+
+def policy_loss(logp, old_logp, advantages, loss_mask, clip_low=0.2, clip_high=0.28, num_tokens=None,
+                dual_clip=None) -> tuple[torch.Tensor, dict]:
+    """Token-level GRPO loss (DAPO-style aggregation) and its metrics.
+
+    logp, old_logp: (N, T) log-probs of the sampled tokens under the current / the rollout policy.
+    advantages: (N,). loss_mask: (N, T), 1 on tokens the policy sampled, 0 on prompt, tool output and padding.
+    num_tokens: unmasked tokens in the whole optimizer step (all micro-batches, all ranks); None -> this mask's sum.
+      Then the gradients of all micro-batches and ranks, summed, equal the one-big-batch gradient (DDP averages
+      over ranks instead of summing, so a DDP caller multiplies this loss by the world size).
+    Returns (scalar loss, {"clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean", "approx_kl"}).
+    """
+    token_loss, log_ratio = _token_loss(logp, old_logp, advantages, loss_mask, clip_low, clip_high, dual_clip)
+    denominator = max(float(loss_mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
+    # L = sum_{i,t} mask_it * l_it / num_tokens
+    loss = token_loss.sum() / denominator
+    return loss, _loss_metrics(log_ratio, advantages, loss_mask, clip_low, clip_high, dual_clip)
+
+
+def sequence_mean_policy_loss(logp, old_logp, advantages, loss_mask, clip_low=0.2, clip_high=0.28,
+                              num_sequences=None, dual_clip=None) -> tuple[torch.Tensor, dict]:
+    """Original GRPO aggregation (ablation): mean over each sequence's tokens, then over sequences.
+
+    Same shapes as `policy_loss`; num_sequences: rollouts in the whole optimizer step (None -> N here).
+    Long sequences weigh less per token than under `policy_loss`, the bias DAPO removed.
+    """
+    token_loss, log_ratio = _token_loss(logp, old_logp, advantages, loss_mask, clip_low, clip_high, dual_clip)
+    tokens_per_seq = loss_mask.sum(dim=1).clamp(min=1).to(token_loss.dtype)  # (N,)
+    denominator = max(token_loss.shape[0] if num_sequences is None else num_sequences, 1)
+    # L = sum_i [ (1/|o_i|) sum_t mask_it * l_it ] / num_sequences
+    loss = (token_loss.sum(dim=1) / tokens_per_seq).sum() / denominator
+    return loss, _loss_metrics(log_ratio, advantages, loss_mask, clip_low, clip_high, dual_clip)
+
+
+# ----------------------------------------------------------------------------------- demo
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    G = 4
+    rewards = [1, 0, 1, 1, 0, 0, 1, 0]  # 2G = 8 rollouts of one prompt
+    # (calls, failed, answers, turns) per rollout
+    stats = [(2, 0, 1, 3), (1, 1, 1, 2), (0, 0, 1, 1), (3, 2, 2, 4), (2, 0, 0, 3), (1, 0, 1, 2), (2, 1, 1, 3), (0, 0, 0, 1)]
+    penalties = [penalty_total(*s) for s in stats]
+    print("rewards   ", rewards)
+    print("penalties ", [round(p, 3) for p in penalties])
+    print("groups with signal:", drop_equal_groups([rewards, [1] * 8]), "(a second, all-correct group is dropped)")
+    print("RoC counts (pos, neg):", roc_counts(rewards.count(1), rewards.count(0), G))
+    print("kept, lowest:", resample_on_correct(rewards, penalties, G, mode="lowest"))
+    kept = resample_on_correct(rewards, penalties, G, mode="sample", generator=torch.Generator().manual_seed(0))
+    print("kept, sample:", kept)
+    kept_rewards = torch.tensor([rewards[i] for i in kept], dtype=torch.float32)
+    adv = group_advantages(kept_rewards, G)
+    print("advantages: ", [round(a, 4) for a in adv.tolist()])
+    T = 6
+    old_logp = -torch.rand(G, T)
+    logp = (old_logp + 0.3 * torch.randn(G, T)).requires_grad_()
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1]] * G)  # 0s: a tool response inside the rollout
+    loss, metrics = policy_loss(logp, old_logp, adv, mask)
+    loss.backward()
+    print(f"loss: {loss.item():.4f}", {k: round(v, 4) for k, v in metrics.items()})
+    print("grad on masked tokens is zero:", bool((logp.grad[mask == 0] == 0).all()))
