@@ -1,6 +1,6 @@
 """GRPO-RoC: the data selection and the loss of rStar2-Agent, as pure functions.
 
-Implements section 4 of /work/shared/design/rstar2-agent.md, which follows the GRPO-RoC part of the report
+Implements section 4 of the project's design notes (rstar2-agent.md), which follow the GRPO-RoC part of the report
 (Shang et al. 2025, "rStar2-Agent: Agentic Reasoning Technical Report", arXiv 2508.20722):
 
 1. `drop_equal_groups`: a prompt whose 2G rollouts all have the same reward gives no signal and is dropped.
@@ -21,12 +21,13 @@ Report vs public code (design section 9), as offered here:
   even) as the public code uses, so both modes keep the public code's counts when keep = 2G / 2.
 - Optional dual clip (verl's c = 3.0 for A < 0, not in the report): dual_clip=None (off) by default.
 - What counts as a failed call and how many turns p_format divides by are the caller's counts; the public
-  code's p_format divides by the turns after the first (pass num_turns - 1 to mimic it).
+  code's p_format divides by the turns after the first (pass num_turns - 1 to mimic it; the public code
+  returns 1 where that count is 0, this function raises).
 
 Left out on purpose, as in the report's recipe (design section 4): no KL penalty and hence no reference
 model (it would cost a second model in memory and a forward pass per step, and it ties the policy to the SFT
 model the RL stage is meant to move away from); no entropy bonus (the asymmetric clip-higher bound 0.28 is what
-keeps exploration here, and an entropy term is a known source of instability). No ranks, logging or config
+keeps exploration here; an entropy bonus would be one more coefficient to tune). No ranks, logging or config
 objects either: callers do that.
 
 Run `python grpo_roc.py` for a toy walk-through; tests are in tests/test_grpo_roc.py.
@@ -35,9 +36,9 @@ import torch
 
 # Weight of a positive rollout in RoC sampling is 1 / (p_total + ROC_WEIGHT_EPS). The report writes 1 / p_total,
 # which is infinite for a clean rollout (p_total = 0: tool calls all succeeded and exactly one answer block).
-# A small eps keeps that limit: clean rollouts are taken before any penalised one (weight 1e6 against at most
-# 1 / 0.25 = 4 for the smallest nonzero penalty a short rollout gets), uniformly among themselves, and the
-# arithmetic stays finite. Weights are computed in float64, where 1e6 against 0.5 loses nothing.
+# A small eps keeps that limit: a clean rollout weighs 1e6, a penalised one 1 / p_total (100 even for p = 0.01,
+# one failed call in a hundred), so clean rollouts are taken first, uniformly among themselves, while the
+# arithmetic stays finite. Weights are float64, where 1e6 against 0.5 loses nothing.
 ROC_WEIGHT_EPS = 1e-6
 NO_TOOL_CALL_PENALTY = 0.5  # p_err of a rollout that made no tool call (a mild push toward using the tool)
 
