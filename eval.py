@@ -1,0 +1,380 @@
+"""Evaluate a checkpoint the way the report does (rStar2-Agent report, evaluation; rstar2-agent.md section 7).
+
+    python eval.py configs/tiny/eval.yaml                              # tiny pipeline's held-out split
+    python eval.py model_path=PATH benchmarks=[aime24,aime25] sampler=vllm   # report settings (the defaults)
+    python eval.py show runs/tiny/eval/trajectories.jsonl 3            # print trajectory 3 (0-based) readably
+
+Same protocol (protocol.py), rollout (rollout.py) and reward (reward.py) as training: k samples per problem at
+temperature 0.6, a 30K-token response budget and 30 assistant turns (the report's values, the config defaults).
+Per benchmark it reports, printed as a table and written to `out_dir/results.json`:
+- pass@1: the mean reward over all samples of all problems. pass@1_se: the standard error of that mean taken over
+  problems: the sample std (n - 1) of the P per-problem accuracies, divided by sqrt(P) (None when P < 2). It counts
+  both sampling noise and problem-to-problem spread, and treats the benchmark as a sample of problems.
+- pass@k (k = samples): the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
+  Code"), 1 - C(n-c, k) / C(n, k) per problem, averaged; with k = n it is the fraction of problems solved at least once.
+- maj@k: accuracy of the majority answer (`majority_vote`: equivalent answers form one group; ties go to the group
+  whose first member came first in sample order; samples without an answer do not vote).
+- response_tokens_mean (everything after the prompt: sampled turns and tool text, the budget's measure),
+  tool_calls_mean, tool_error_rate (failed calls / calls; None without calls), tool_error_rate_in_correct (the same
+  over rollouts with reward 1: the report's diagnostic that RoC drives down), truncated_frac (end_reason != answer).
+Every rollout goes to `out_dir/trajectories.jsonl` (one line per (problem, sample), problem-major): the model's turns,
+each tool call's code, stdin, status and the response the model saw, the extracted answer and the reward. Token ids
+and log-probs are left out (30K ids x 16 samples x 500 problems would dominate the file); counts are kept.
+
+Benchmarks: a JSONL path ({"problem", "answer", ...} per line; a bad line stops with file:line), or a name from
+HUB_BENCHMARKS, fetched from the Hugging Face hub (cached by huggingface_hub; the repos rStar2-Agent's own loaders
+use, see ../shared/data/SOURCES.md) and written as JSONL to out_dir/benchmarks/ so the run records what it read.
+aime24 and hmmt25 are parquet-only on the hub: reading them needs `pip install pyarrow`; without it the error says
+so (pass the JSONL copy instead). Offline, pass the JSONL paths (../shared/data holds all four).
+
+`unsolved_out`: the problems solved fewer than k of k times, written with their input fields: report section 6's
+stage-3 data ("the problems the stage-2 policy did not solve 8 of 8 times"), e.g.
+    python eval.py configs/tiny/eval.yaml model_path=runs/tiny/stage2/model \\
+        benchmarks=[runs/tiny/data/train_level2.jsonl] samples=8 unsolved_out=runs/tiny/data/stage3.jsonl
+
+(with several benchmarks, their unsolved problems are concatenated in benchmark order).
+
+Samplers (`sampler: hf | vllm`, sampler.py): hf for the tiny model and small checks; vllm for real checkpoints at
+the report's budgets (HFSampler keeps every step's logits, too much at 30K tokens with a 150K vocabulary). The seed
+is set again before each benchmark, so a benchmark's samples do not depend on which ran before it (hf; vLLM seeds
+its engine once).
+
+In-process API (trainer, pipeline): `evaluate(problems, sampler, tool, ...) -> (metrics, trajectories)`; pure
+helpers `pass_at_k`, `majority_vote`, `standard_error`, `summarize`, `unsolved`.
+Our choices where the report is silent: the standard error, the majority-vote grouping and tie rule, and counting
+tool text in the response length. Left out: GPQA-Diamond (multiple choice, not this reward), and any per-benchmark
+prompt or answer format.
+"""
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from config import format_config, parse_cli, save_config
+from data import load_problems, write_jsonl
+from protocol import DEFAULT_USER_INSTRUCTION, IM_END, chat_format, parse_tool_call
+from reward import check_many, extract_answer, is_equivalent
+from rollout import rollout
+
+# Well-known names -> (hub dataset repo, file name pattern at the root or one folder down, field holding the
+# problem text). The repos rStar2-Agent's loaders name (microsoft/rStar data_preprocess/) and MathArena's own HMMT
+# data (see SOURCES.md); layouts as the hub listed them (not fetched from this machine, which has no hub access).
+HUB_BENCHMARKS = {
+    "aime24": ("HuggingFaceH4/aime_2024", "train-*.parquet", "problem"),  # 30, parquet only
+    "aime25": ("opencompass/AIME2025", "aime2025-*.jsonl", "question"),  # 30: parts I and II
+    "hmmt25": ("MathArena/hmmt_feb_2025", "train-*.parquet", "problem"),  # 30, parquet only
+    "math500": ("HuggingFaceH4/MATH-500", "test.jsonl", "problem"),  # 500
+}
+
+
+@dataclass
+class EvalConfig:
+    model_path: str = ""                  # a checkpoint folder (or hub id) loadable with from_pretrained
+    benchmarks: list[str] = field(default_factory=lambda: ["aime24", "aime25", "hmmt25", "math500"])  # paths/names
+    out_dir: str = "runs/eval"            # config.yaml, results.json, trajectories.jsonl
+    samples: int = 16                     # k samples per problem (report: 16)
+    temperature: float = 0.6              # report: 0.6 at evaluation (1.0 in training)
+    top_p: float = 1.0                    # report: 1.0
+    max_response_tokens: int = 30000      # response budget, tool text included (report: 30K at evaluation)
+    max_turns: int = 30                   # assistant turns (report: 30 at evaluation)
+    system_prompt: str = "default"        # "default", a preset name ("compact") or the text itself
+    user_instruction: str = DEFAULT_USER_INSTRUCTION
+    sampler: str = "hf"                   # hf (transformers generate, CPU/GPU) | vllm (GPU)
+    batch_size: int = 64                  # rollouts per rollout() call; hf: also per generate call (vllm: raise it)
+    limit: int = 0                        # first N problems of each benchmark (0: all), for quick runs
+    seed: int = 0
+    unsolved_out: str | None = None       # write problems solved < k of k times here (stage-3 data, report sec. 6)
+    # --- code tool (report section 5; public code: 4 s, 1,000 chars)
+    tool_workers: int = 4
+    tool_timeout: float = 4.0
+    tool_memory_mb: int = 512
+    tool_max_output_chars: int = 1000
+    # --- vLLM (sampler=vllm only)
+    vllm_tensor_parallel_size: int = 1
+    vllm_gpu_memory_utilization: float = 0.9
+    vllm_dtype: str = "bfloat16"
+
+
+# ============================================================================ metrics (pure)
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one problem from n samples with c correct (Chen et al. 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got {n=} {c=} {k=}")
+    # pass@k = 1 - C(n - c, k) / C(n, k): one minus the chance that k draws without replacement are all wrong
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_vote(answers: list[str | None], rewards: list[float], equivalent=None) -> float:
+    """Reward of the majority answer among one problem's samples (0.0 when no sample gave an answer).
+
+    Each answer joins the first group whose first member it equals (string) or is `equivalent` to; None does not
+    vote. The largest group wins; ties go to the group whose first member came first. The winner scores its first
+    member's reward (all members are equivalent to it)."""
+    groups: list[list[int]] = []  # sample indices; groups[g][0] is the representative
+    for i, answer in enumerate(answers):
+        if answer is None:
+            continue
+        for group in groups:
+            rep = answers[group[0]]
+            if answer == rep or (equivalent is not None and equivalent(answer, rep)):
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+    if not groups:
+        return 0.0
+    winner = max(groups, key=len)  # max keeps the first of equal lengths: the earliest group
+    return float(rewards[winner[0]])
+
+
+def standard_error(values: list[float]) -> float | None:
+    """Standard error of the mean: sample std (n - 1) / sqrt(n); None for fewer than 2 values."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    # se = sqrt(sum (x - mean)^2 / (n - 1)) / sqrt(n)
+    return math.sqrt(sum((x - mean) ** 2 for x in values) / (n - 1)) / math.sqrt(n)
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def summarize(groups: list[list], equivalent=None) -> dict:
+    """Benchmark metrics from trajectories grouped by problem: P lists of k rollout.Trajectory (or objects with
+    the same attributes: reward (set, 0 or 1), text, response_ids, num_tool_calls, num_failed_tool_calls,
+    truncated). `equivalent(a, b)` groups answers for the majority vote (None: identical strings only)."""
+    flat = [t for g in groups for t in g]
+    if not groups or any(len(g) != len(groups[0]) for g in groups) or not groups[0]:
+        raise ValueError("summarize needs P >= 1 groups of the same size k >= 1")
+    k = len(groups[0])
+    accuracy = [sum(t.reward for t in g) / k for g in groups]  # a_p = mean reward of problem p's k samples
+    # pass@1 = mean_p a_p (= mean over all P * k samples); pass@1_se = std(a_p, n - 1) / sqrt(P)
+    correct = [t for t in flat if t.reward == 1]
+    return {
+        "problems": len(groups),
+        "samples": k,
+        "pass@1": sum(accuracy) / len(groups),
+        "pass@1_se": standard_error(accuracy),
+        "pass@k": sum(pass_at_k(k, sum(t.reward == 1 for t in g), k) for g in groups) / len(groups),
+        "maj@k": sum(majority_vote([extract_answer(t.text) for t in g], [t.reward for t in g], equivalent)
+                     for g in groups) / len(groups),
+        "response_tokens_mean": sum(len(t.response_ids) for t in flat) / len(flat),
+        "tool_calls_mean": sum(t.num_tool_calls for t in flat) / len(flat),
+        "tool_error_rate": _ratio(sum(t.num_failed_tool_calls for t in flat), sum(t.num_tool_calls for t in flat)),
+        "tool_error_rate_in_correct": _ratio(sum(t.num_failed_tool_calls for t in correct),
+                                             sum(t.num_tool_calls for t in correct)),
+        "truncated_frac": sum(t.truncated for t in flat) / len(flat),
+    }
+
+
+def unsolved(problems: list[dict], groups: list[list]) -> list[dict]:
+    """The problems with fewer than k correct samples (k = the group size), in input order."""
+    return [p for p, g in zip(problems, groups) if sum(t.reward == 1 for t in g) < len(g)]
+
+
+# ============================================================================ evaluation (in process)
+def evaluate(problems: list[dict], sampler, tool, tokenizer, fmt, samples: int, max_response_tokens: int,
+             max_turns: int, temperature: float = 0.6, top_p: float = 1.0, batch_size: int = 0,
+             progress: bool = False) -> tuple[dict, list]:
+    """Roll out `samples` rollouts per problem, score each with the training reward, and summarize.
+
+    problems: dicts with "problem" and "answer". Returns (metrics from `summarize`, trajectories with `reward` set,
+    problem-major: trajectory i * samples + j is sample j of problem i). batch_size: rollouts per rollout() call
+    (0: all at once)."""
+    texts = [p["problem"] for p in problems for _ in range(samples)]
+    step = batch_size or len(texts)
+    trajs = []
+    for s in _bar(range(0, len(texts), step), progress and len(texts) > step, "batches"):
+        trajs += rollout(texts[s:s + step], sampler, tool, tokenizer, fmt, max_response_tokens, max_turns,
+                         temperature=temperature, top_p=top_p, progress=progress and step == len(texts))
+    # r = 1 if the last boxed answer of the model's own text is equivalent to the gold answer (reward.py, sec. 3)
+    verdicts = check_many([extract_answer(t.text) for t in trajs], [problems[i // samples]["answer"]
+                                                                    for i in range(len(trajs))])
+    for traj, verdict in zip(trajs, verdicts):
+        traj.reward = 1.0 if verdict.correct else 0.0
+    groups = [trajs[i:i + samples] for i in range(0, len(trajs), samples)]
+    metrics = summarize(groups, equivalent=is_equivalent)
+    metrics["reward_timeouts"] = sum(v.timed_out for v in verdicts)  # checks that ran out of time (scored 0)
+    return metrics, trajs
+
+
+def _bar(iterable, enabled: bool, desc: str):
+    if not enabled:
+        return iterable
+    from tqdm import tqdm
+    return tqdm(iterable, desc=desc)
+
+
+def trajectory_record(benchmark: str, problem: dict, problem_index: int, sample: int, traj) -> dict:
+    """One line of trajectories.jsonl: everything needed to read the rollout, without token ids."""
+    return {
+        "benchmark": benchmark, "problem_index": problem_index, "sample": sample, "id": problem.get("id"),
+        "problem": problem["problem"], "answer": problem["answer"], "pred": extract_answer(traj.text),
+        "reward": traj.reward, "end_reason": traj.end_reason, "truncated": traj.truncated,
+        "response_tokens": len(traj.response_ids), "sampled_tokens": sum(traj.loss_mask),
+        "num_turns": traj.num_turns, "num_tool_calls": traj.num_tool_calls,
+        "num_failed_tool_calls": traj.num_failed_tool_calls, "num_answer_blocks": traj.num_answer_blocks,
+        "turns": traj.turns,
+        "tool_calls": [{"code": c.code, "stdin": c.stdin, "status": c.status, "response": c.response}
+                       for c in traj.tool_calls],
+    }
+
+
+# ============================================================================ benchmarks
+def load_benchmark(spec: str, cache_dir) -> tuple[str, list[dict]]:
+    """(name, problems) for a JSONL path or a HUB_BENCHMARKS name; raises ValueError naming what is wrong."""
+    path = Path(spec)
+    if path.suffix == ".jsonl" or path.is_file() or "/" in spec:
+        return path.stem, load_problems(path)
+    if spec not in HUB_BENCHMARKS:
+        raise ValueError(f"unknown benchmark {spec!r}: give a JSONL path or one of {', '.join(HUB_BENCHMARKS)}")
+    try:
+        rows = fetch_hub_benchmark(spec)
+    except OSError as e:  # huggingface_hub's network, offline and not-found errors derive from OSError
+        raise ValueError(f"could not fetch {spec} from the hub ({type(e).__name__}: {e}); offline, pass the "
+                         f"JSONL path instead (../shared/data/{spec}.jsonl)") from None
+    local = write_jsonl(Path(cache_dir) / f"{spec}.jsonl", rows)
+    return spec, load_problems(local)
+
+
+def fetch_hub_benchmark(name: str) -> list[dict]:
+    """Rows {"id", "problem", "answer", "source"} of a HUB_BENCHMARKS entry (downloaded once, then cached)."""
+    from huggingface_hub import snapshot_download
+    repo, pattern, text_field = HUB_BENCHMARKS[name]
+    folder = Path(snapshot_download(repo, repo_type="dataset", allow_patterns=[pattern, f"*/{pattern}"]))
+    files = sorted(folder.rglob(pattern))
+    if not files:
+        raise ValueError(f"{name}: no file matching {pattern} in the hub dataset {repo}")
+    rows = []
+    for file in files:
+        for row in _read_rows(file, name):
+            ids = [row[k] for k in ("id", "unique_id", "problem_idx") if row.get(k) is not None]
+            rows.append({"id": str(ids[0]) if ids else f"{name}-{len(rows)}", "problem": row.get(text_field),
+                         "answer": str(row.get("answer", "")), "source": f"{repo}:{file.relative_to(folder)}"})
+    return rows
+
+
+def _read_rows(file: Path, name: str) -> list[dict]:
+    if file.suffix == ".jsonl":
+        return [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{name} is stored as parquet on the hub: `pip install pyarrow`, or pass a JSONL copy "
+                         f"(../shared/data/{name}.jsonl)") from None
+    return pq.read_table(file).to_pylist()
+
+
+# ============================================================================ command line
+def format_table(results: dict) -> str:
+    """The results as a fixed-width text table, one row per benchmark."""
+    cols = ["pass@1", "pass@1_se", "pass@k", "maj@k", "response_tokens_mean", "tool_calls_mean",
+            "tool_error_rate", "tool_error_rate_in_correct", "truncated_frac"]
+    heads = ["pass@1", "+-se", "pass@k", "maj@k", "resp_tok", "calls", "tool_err", "err_in_ok", "trunc"]
+    lines = [f"{'benchmark':<16}{'P x k':>9} " + " ".join(f"{h:>9}" for h in heads)]
+    for name, m in results.items():
+        cells = ["-" if m[c] is None else f"{m[c]:.1f}" if c == "response_tokens_mean" else f"{m[c]:.3f}"
+                 for c in cols]
+        lines.append(f"{name:<16}{m['problems']:>5} x {m['samples']:<2} " + " ".join(f"{c:>9}" for c in cells))
+    return "\n".join(lines)
+
+
+def show(path, index: int) -> str:
+    """One trajectory of a trajectories.jsonl as readable text: the problem, each turn, each call and its output."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    if not 0 <= index < len(lines):
+        raise SystemExit(f"{path} holds trajectories 0..{len(lines) - 1}; got {index}")
+    r = json.loads(lines[index])
+    ident = f" (id {r['id']})" if r["id"] is not None else ""
+    out = [f"=== trajectory {index} | {r['benchmark']} problem {r['problem_index']}{ident} sample "
+           f"{r['sample']} | reward {r['reward']} | answer {r['answer']!r} predicted {r['pred']!r}",
+           f"=== end {r['end_reason']}, {r['response_tokens']} tokens, {r['num_turns']} turns, "
+           f"{r['num_tool_calls']} calls ({r['num_failed_tool_calls']} failed)", "--- problem", r["problem"]]
+    calls = iter(r["tool_calls"])
+    for t, turn in enumerate(r["turns"], start=1):
+        out += [f"--- assistant turn {t}", "<reason>" + turn]
+        call = next(calls, None) if parse_tool_call(turn) is not None else None
+        if call is not None:
+            out += [f"--- tool call {call['status']}: code", call["code"]]
+            if call["stdin"]:
+                out += ["--- stdin", call["stdin"]]
+            out += ["--- tool response", call["response"]]
+    return "\n".join(out)
+
+
+def load_model(cfg: EvalConfig):
+    """(sampler, tokenizer) for the config: transformers on the GPU if there is one (else CPU), or vLLM."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from sampler import HFSampler, VLLMSampler
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    if cfg.sampler == "vllm":
+        return VLLMSampler(cfg.model_path, im_end_id=tokenizer.convert_tokens_to_ids(IM_END), seed=cfg.seed,
+                           tensor_parallel_size=cfg.vllm_tensor_parallel_size, dtype=cfg.vllm_dtype,
+                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                           enable_sleep_mode=False), tokenizer  # nothing trains here: no need to free the GPU
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype="auto")
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    return HFSampler(model, tokenizer, batch_size=cfg.batch_size), tokenizer
+
+
+def run(cfg: EvalConfig) -> dict:
+    """The command-line evaluation: every benchmark, results.json, trajectories.jsonl, unsolved_out."""
+    from transformers import set_seed
+    from code_tool import CodeTool
+    if cfg.sampler not in ("hf", "vllm"):
+        raise SystemExit(f"config error: sampler must be hf or vllm, got {cfg.sampler!r}")
+    if not cfg.model_path or cfg.samples < 1:
+        raise SystemExit("config error: model_path is required and samples must be >= 1")
+    out = Path(cfg.out_dir)
+    print(format_config(cfg))
+    save_config(cfg, out / "config.yaml")
+    try:  # every input error before the model loads
+        benches = [load_benchmark(b, out / "benchmarks") for b in cfg.benchmarks]
+    except ValueError as e:
+        raise SystemExit(f"input error: {e}") from None
+    names = [n for n, _ in benches]
+    benches = [(n if names.count(n) == 1 else spec, probs[:cfg.limit] if cfg.limit else probs)
+               for (n, probs), spec in zip(benches, cfg.benchmarks)]  # two files named test.jsonl: use the paths
+    sampler, tokenizer = load_model(cfg)
+    fmt = chat_format(cfg.system_prompt, cfg.user_instruction)
+    results, missed, k = {}, [], cfg.samples
+    traj_file = out / "trajectories.jsonl"
+    with CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
+                  max_output_chars=cfg.tool_max_output_chars) as tool, traj_file.open("w", encoding="utf-8") as f:
+        for name, problems in benches:
+            print(f"{name}: {len(problems)} problems x {k} samples")
+            set_seed(cfg.seed)  # each benchmark's samples do not depend on which benchmarks ran before it
+            metrics, trajs = evaluate(problems, sampler, tool, tokenizer, fmt, k, cfg.max_response_tokens,
+                                      cfg.max_turns, cfg.temperature, cfg.top_p, cfg.batch_size, progress=True)
+            results[name] = metrics
+            for i, traj in enumerate(trajs):  # written as each benchmark finishes: a crash keeps the earlier ones
+                record = trajectory_record(name, problems[i // k], i // k, i % k, traj)
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()
+            missed += unsolved(problems, [trajs[i:i + k] for i in range(0, len(trajs), k)])
+            (out / "results.json").write_text(json.dumps({"model_path": cfg.model_path, "benchmarks": results},
+                                                         indent=1))
+    print(format_table(results))
+    print(f"wrote {out / 'results.json'} and {traj_file}")
+    if cfg.unsolved_out is not None:
+        write_jsonl(cfg.unsolved_out, missed)
+        print(f"wrote {cfg.unsolved_out}: {len(missed)} problems solved fewer than {k} of {k} times")
+    return results
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["show"]:
+        if len(argv) != 3 or not argv[2].lstrip("-").isdigit():
+            raise SystemExit("usage: python eval.py show TRAJECTORIES.jsonl INDEX")
+        print(show(argv[1], int(argv[2])))
+        return
+    run(parse_cli(EvalConfig, argv))
+
+
+if __name__ == "__main__":
+    main()
