@@ -1,0 +1,126 @@
+"""Benchmark: CodeTool against one `python -c` subprocess per call, side by side in one run; then a hostile soak.
+
+Workloads: (a) trivial `print(2+2)`; (b) import sympy and solve a quadratic. For each, calls per second and p50/p99
+latency (from issuing a call to its result) with 1, 16 and 256 calls kept in flight. The plain alternative, what
+most RL codebases do, runs `subprocess.run([sys.executable, "-c", code], timeout=...)` on a thread pool of that
+size. The soak sends N calls (2,000; --quick: 400), one in ten hostile (infinite loop, memory bomb, output flood),
+and reports lost or hung calls and the honest calls' throughput.
+
+Run: `.venv/bin/python bench/code_tool.py [--quick] [--workers W]`.
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from code_tool import CodeTool, default_workers  # noqa: E402
+
+TRIVIAL = "print(2+2)"
+SYMPY = "import sympy as sp\nx = sp.Symbol('x')\nprint(sp.solve(x**2 - 5*x + 6, x))"
+HOSTILE = ["while True:\n    pass", "x = bytearray(4 * 1024**3)", "while True:\n    print('x' * 10000)"]
+HOSTILE_STATUS = ["timeout", "memory", "output_limit"]
+PLAIN_MEMORY_CAP = 32  # the plain alternative with sympy runs at most this many interpreters at once (~50 MB each;
+# 256 would need ~13 GB, and with both cores busy from 16 in flight on, more at once cannot raise its throughput)
+
+
+def summarize(latencies: list[float], wall: float) -> tuple[float, float, float]:
+    """(calls per second, p50 ms, p99 ms)."""
+    q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else latencies * 99
+    return len(latencies) / wall, q[49] * 1e3, q[98] * 1e3
+
+
+def plain(code: str, in_flight: int, n: int) -> tuple[float, float, float]:
+    """n calls of a fresh interpreter each, in_flight at a time on a thread pool."""
+    def one(_):
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        return time.perf_counter() - start
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=in_flight) as pool:
+        latencies = list(pool.map(one, range(n)))
+    return summarize(latencies, time.perf_counter() - start)
+
+
+def closed_loop(tool: CodeTool, calls: list[str], in_flight: int) -> tuple[list, list[float], float]:
+    """Keep in_flight calls submitted (as a rollout would); returns (results, latencies, wall seconds)."""
+    gate, results, latencies, lock = threading.Semaphore(in_flight), [None] * len(calls), [], threading.Lock()
+
+    def finished(future, i, start):
+        with lock:
+            latencies.append(time.perf_counter() - start)
+            results[i] = future.result()
+        gate.release()
+    start = time.perf_counter()
+    for i, code in enumerate(calls):
+        gate.acquire()
+        tool.submit(code).add_done_callback(lambda f, i=i, t=time.perf_counter(): finished(f, i, t))
+    for _ in range(in_flight):  # wait for the last ones
+        gate.acquire()
+    return results, latencies, time.perf_counter() - start
+
+
+def ours(tool: CodeTool, code: str, in_flight: int, n: int) -> tuple[float, float, float]:
+    results, latencies, wall = closed_loop(tool, [code] * n, in_flight)
+    assert all(r.ok for r in results), [r for r in results if not r.ok][:1]
+    return summarize(latencies, wall)
+
+
+def soak(tool: CodeTool, n: int, in_flight: int) -> dict:
+    """n calls, every tenth hostile; lost = an honest call without its right answer, hung = no result in time."""
+    calls = [HOSTILE[(i // 10) % 3] if i % 10 == 9 else f"print({i} * {i})" for i in range(n)]
+    results, _, wall = closed_loop(tool, calls, in_flight)
+    honest = [(i, r) for i, r in enumerate(results) if i % 10 != 9]
+    hostile = [(i, r) for i, r in enumerate(results) if i % 10 == 9]
+    return {"calls": n, "wall_s": wall, "hung": sum(r is None for r in results),
+            "lost": sum(r is None or r.stdout != f"{i * i}\n" for i, r in honest),
+            "hostile_wrong_status": sum(r is None or r.status != HOSTILE_STATUS[(i // 10) % 3] for i, r in hostile),
+            "honest_per_s": len(honest) / wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer calls, about a minute")
+    parser.add_argument("--workers", type=int, default=default_workers())
+    args = parser.parse_args()
+    scale, plain_cap = (0.25, 16) if args.quick else (1.0, PLAIN_MEMORY_CAP)
+    print(f"cores: {os.cpu_count()}, workers: {args.workers}, python: {sys.version.split()[0]}, quick: {args.quick}, "
+          f"load average at start: {os.getloadavg()[0]:.1f} (other work on the machine slows both sides)")
+    rows = []
+    with CodeTool(workers=args.workers, timeout=10.0) as tool:
+        print(f"sandbox: {tool.sandbox}")
+        tool.run_batch([(SYMPY, "")] * args.workers * 2)  # warm the servers' first-call paths
+        for name, code, plain_n, our_n in (("(a) print(2+2)", TRIVIAL, 160, 1000), ("(b) sympy solve", SYMPY, 24, 400)):
+            for in_flight in (1, 16, 256):
+                n_ours = max(int(our_n * scale), 2 * in_flight if in_flight > 1 else 20)
+                ours_row = ours(tool, code, in_flight, n_ours)
+                plain_flight = in_flight if code == TRIVIAL else min(in_flight, plain_cap)
+                n_plain = max(int(plain_n * scale), plain_flight if in_flight > 1 else 4)
+                plain_row = plain(code, plain_flight, n_plain)
+                rows.append((name, in_flight, plain_flight, plain_row, ours_row))
+                print(f"  done {name} at {in_flight} in flight", file=sys.stderr)
+    print(f"\n{'workload':<16} {'in flight':>9} | {'plain calls/s':>13} {'p50 ms':>8} {'p99 ms':>8} | "
+          f"{'CodeTool calls/s':>16} {'p50 ms':>7} {'p99 ms':>7} | {'speedup':>7}")
+    for name, in_flight, plain_flight, (p_rate, p50, p99), (o_rate, o50, o99) in rows:
+        flight = f"{in_flight}" if plain_flight == in_flight else f"{in_flight} ({plain_flight}*)"
+        print(f"{name:<16} {flight:>9} | {p_rate:>13.1f} {p50:>8.1f} {p99:>8.1f} | {o_rate:>16.1f} {o50:>7.1f} "
+              f"{o99:>7.1f} | {o_rate / p_rate:>6.1f}x")
+    if any(r[1] != r[2] for r in rows):
+        print(f"* the plain alternative with sympy ran at most {plain_cap} interpreters at once (~50 MB each); "
+              "with every core busy its throughput cannot rise with more")
+    with CodeTool(workers=args.workers, timeout=1.0) as tool:
+        report = soak(tool, int(2000 * scale), in_flight=256)
+    print(f"\nsoak: {report['calls']} calls (1 in 10 hostile: loop / 4 GB bomb / print flood; timeout 1 s) in "
+          f"{report['wall_s']:.1f} s: lost {report['lost']}, hung {report['hung']}, hostile with the wrong status "
+          f"{report['hostile_wrong_status']}, honest calls {report['honest_per_s']:.0f}/s")
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
