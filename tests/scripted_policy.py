@@ -1,0 +1,54 @@
+"""A scripted policy for trainer tests: a sampler whose answers we control, on top of the real model.
+
+The trainer's mechanics (RoC, advantages, the update, hand-off, checkpoints, data parallelism) need groups with
+mixed rewards; a randomly initialised tiny model never answers correctly, so every group would be dropped and
+nothing would be tested. This sampler writes the turns itself (correct for some rollouts of a group, wrong for the
+others, some through a real tool call) while the trainer computes log-probs and gradients on the real model.
+
+Problems are "Say N." with answer N. Within one generate call, the k-th copy of a problem answers correctly when
+k is even (or, with use_rng, when the global torch RNG says so: that makes resume tests check RNG restoring).
+"""
+import re
+
+import torch
+
+from protocol import IM_END, format_tool_call
+from sampler import Completion, model_checksum
+
+
+def say_problems(n: int, start: int = 1) -> list[dict]:
+    return [{"problem": f"Say {i}.", "answer": str(i)} for i in range(start, start + n)]
+
+
+class ScriptedSampler:
+    def __init__(self, model, tokenizer, use_rng: bool = False):
+        self.model, self.tok, self.use_rng = model, tokenizer, use_rng
+        self.im_end = tokenizer.convert_tokens_to_ids(IM_END)
+        self.updates = 0
+
+    def _turn(self, text: str, copy: int) -> str:
+        n = int(re.findall(r"Say (\d+)\.", text)[0])
+        correct = bool(torch.rand(1).item() < 0.5) if self.use_rng else copy % 2 == 0
+        if "<tool_response>" in text:  # second turn: answer from the tool's output
+            return f"</reason>\n<answer>\\boxed{{{n if correct else n + 1}}}</answer>"
+        if copy % 4 == 1:  # some rollouts use the tool first
+            return "Use Python.</reason>\n" + format_tool_call(f"print({n})")
+        filler = "" if correct else "Hmm. " * (1 + copy % 3)  # lengths differ, so token normalisation matters
+        return f"{filler}</reason>\n<answer>\\boxed{{{n if correct else n + 1}}}</answer>"
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):
+        seen, out = {}, []
+        for ids, budget in zip(prompts, max_new_tokens):
+            text = self.tok.decode(ids)
+            key = re.findall(r"Say (\d+)\.", text)[0]
+            copy = seen[key] = seen.get(key, -1) + 1
+            turn = self.tok.encode(self._turn(text, copy), add_special_tokens=False) + [self.im_end]
+            out.append(Completion(turn[:budget], None, len(turn) <= budget))
+        return out
+
+    def update_weights(self, model) -> None:
+        self.model = model
+        self.updates += 1
+
+    def weights_checksum(self) -> float:
+        return model_checksum(self.model)

@@ -1,0 +1,120 @@
+"""The whole tiny pipeline on a CPU, as the sequence of commands a user would type (what `make tiny` runs).
+
+    python tiny_pipeline.py                 # about 20 minutes on 2 cores; writes runs/tiny/summary.json
+    python tiny_pipeline.py --quick         # a few steps of each entry point (CI's smoke run)
+
+  1. tiny_model.py   a character-level tokenizer and a ~1M-parameter Qwen2 model (save_pretrained)
+  2. tiny_task.py    the built-in task: RL problems (two levels), held-out test split, SFT conversations
+  3. sft.py          non-reasoning SFT: format and tool use, not the policy
+  4. train.py        RL stage 1 (level 1), stage 2 (longer budget, level 2), stage 3 (the problems the stage-2
+                     policy did not solve k of k times, fresh optimizer) -- report section 6, scaled down
+  5. eval.py         after SFT and after every stage, on the held-out split; stage 3's data comes from eval.py too
+Each step is skipped when its output already exists, so an interrupted pipeline continues where it stopped
+(train.py itself resumes from its last checkpoint). `--fresh` deletes the run folder first.
+"""
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STAGES = ["sft", "stage1", "stage2", "stage3"]
+# --quick: overrides that make every entry point take a few steps (CI); the plumbing is the same.
+QUICK = {
+    "task": ["--n-train", "64", "--n-test", "8", "--n-sft", "96"],
+    "sft": ["max_steps=4"],
+    "train": ["steps=2", "prompts_per_step=2", "rollouts_per_prompt=4", "group_size=2", "eval_every=0", "eval_limit=4",
+              "save_every=1"],
+    "eval": ["limit=6", "samples=2"],
+}
+
+
+def run(cmd: list[str]) -> None:
+    print("\n$ " + " ".join(cmd), flush=True)
+    subprocess.run([sys.executable] + cmd, check=True)
+
+
+def evaluate(root: Path, name: str, quick: bool) -> dict:
+    """eval.py on the held-out split for one stage's model; returns its metrics for the test benchmark."""
+    out = root / f"eval_{name}"
+    if not (out / "results.json").is_file():
+        run(["eval.py", "configs/tiny/eval.yaml", f"model_path={root / name / 'model'}", f"out_dir={out}",
+             f"benchmarks=[{root / 'data' / 'test.jsonl'}]"] + (QUICK["eval"] if quick else []))
+    results = json.loads((out / "results.json").read_text())["benchmarks"]
+    return next(iter(results.values()))
+
+
+def pipeline(root: Path, quick: bool) -> dict:
+    data = root / "data"
+    if not (root / "base" / "config.json").is_file():
+        run(["tiny_model.py", str(root / "base")])
+    if not (data / "sft.jsonl").is_file():
+        run(["tiny_task.py", str(data)] + (QUICK["task"] if quick else []))
+    if not (root / "sft" / "model" / "config.json").is_file():
+        run(["sft.py", "configs/tiny/sft.yaml", f"model_path={root / 'base'}", f"data={data / 'sft.jsonl'}",
+             f"out_dir={root / 'sft'}"] + (QUICK["sft"] if quick else []))
+    results = {"sft": evaluate(root, "sft", quick)}
+    stage_data = {1: [data / "train_level1.jsonl"], 2: [data / "train_level2.jsonl"], 3: [data / "stage3.jsonl"]}
+    previous = "sft"
+    for stage in (1, 2, 3):
+        name = f"stage{stage}"
+        if stage == 3 and not (data / "stage3.jsonl").is_file():
+            # Stage 3's data: problems the stage-2 policy did not solve k of k times (report: 8 of 8).
+            run(["eval.py", "configs/tiny/eval.yaml", f"model_path={root / 'stage2' / 'model'}",
+                 f"out_dir={root / 'unsolved_stage2'}", f"benchmarks=[{data / 'train_level2.jsonl'}]",
+                 "samples=4", "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}"]
+                + (["limit=6", "samples=2"] if quick else ["limit=400"]))
+        if not (root / name / "model" / "config.json").is_file():
+            # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report section 6).
+            extra = [f"optimizer_from={root / 'stage1'}"] if stage == 2 else []
+            run(["train.py", f"configs/tiny/{name}.yaml", f"model_path={root / previous / 'model'}",
+                 "data=[" + ",".join(map(str, stage_data[stage])) + "]", f"out_dir={root / name}",
+                 f"eval_data={data / 'test.jsonl'}"] + extra + (QUICK["train"] if quick else []))
+        results[name] = evaluate(root, name, quick)
+        previous = name
+    return results
+
+
+def summarize(results: dict, wall: float) -> dict:
+    summary = {f"{s}_accuracy": results[s]["pass@1"] for s in STAGES}
+    summary["tool_error_rate_in_correct"] = {s: results[s]["tool_error_rate_in_correct"] for s in STAGES}
+    summary["mean_response_tokens"] = {s: results[s]["response_tokens_mean"] for s in STAGES}
+    summary["tool_calls_mean"] = {s: results[s]["tool_calls_mean"] for s in STAGES}
+    summary["gain_points"] = 100 * (summary["stage3_accuracy"] - summary["sft_accuracy"])
+    summary["wall_seconds"] = round(wall, 1)
+    return summary
+
+
+def table(results: dict) -> str:
+    rows = ["stage    pass@1  pass@k  tool_calls  tool_err  tool_err_in_correct  resp_tokens  truncated"]
+    for s in STAGES:
+        r = results[s]
+        fmt = lambda v: "   -" if v is None else f"{v:.3f}"  # noqa: E731
+        rows.append(f"{s:<8} {r['pass@1']:.3f}   {r.get('pass@k', float('nan')):.3f}   {r['tool_calls_mean']:9.2f}"
+                    f"   {fmt(r['tool_error_rate'])}   {fmt(r['tool_error_rate_in_correct']):>18}"
+                    f"  {r['response_tokens_mean']:11.1f}  {r['truncated_frac']:9.3f}")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default="runs/tiny", help="run folder (default runs/tiny)")
+    parser.add_argument("--quick", action="store_true", help="a few steps of each entry point")
+    parser.add_argument("--fresh", action="store_true", help="delete the run folder first")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    if args.fresh:
+        shutil.rmtree(root, ignore_errors=True)
+    start = time.time()
+    results = pipeline(root, args.quick)
+    summary = summarize(results, time.time() - start)
+    (root / "summary.json").write_text(json.dumps(summary, indent=1))
+    print("\n" + table(results))
+    print(f"\nsft -> stage3: {100 * summary['sft_accuracy']:.1f}% -> {100 * summary['stage3_accuracy']:.1f}% "
+          f"({summary['gain_points']:+.1f} points) in {summary['wall_seconds']:.0f} s; wrote {root / 'summary.json'}")
+
+
+if __name__ == "__main__":
+    main()

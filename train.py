@@ -1,0 +1,596 @@
+"""One stage of agentic RL with GRPO-RoC (rStar2-Agent report, sections 3-4 and 6), on plain PyTorch + Accelerate.
+
+    python train.py configs/tiny/stage1.yaml                       # one process (CPU or one GPU)
+    accelerate launch --config_file configs/accelerate/8gpu.yaml train.py configs/qwen3-14b/stage1.yaml
+
+Each step, in labelled phases (the banners in `train_step`):
+  1. sample B prompts (this rank's share: groups never straddle ranks)
+  2. rollout: 2G multi-turn rollouts per prompt with the Python tool (rollout.py)
+  3. reward: 0/1 on the final answer (reward.py)
+  4. drop equal groups (all right or all wrong)                    } grpo_roc.py
+  5. Resample-on-Correct: 2G -> G per group                         }
+  6. advantages per group of G                                      }
+  7. old log-probs under the policy before the update
+  8. policy update: mini-batches of micro-batches, gradient accumulation, the exact global token normaliser
+  9. hand the new weights to the sampler, and verify they arrived (checksum)
+ 10. log (metrics.jsonl, tqdm, trackers) and checkpoint
+A stage is one invocation; the multi-stage recipe is a sequence of them (configs/*/stage{1,2,3}.yaml), each starting
+from the previous stage's `model/`. Stage 3's data is the problems the stage-2 policy did not solve k of k times
+(`eval.py ... unsolved_out=...`), and it starts with a fresh optimizer; stage 2 may carry stage 1's (`optimizer_from`).
+
+Exact token normalisation across micro-batches and ranks: each micro-batch's loss is its masked token sum divided by
+the token count of the whole mini-batch over all ranks, times the world size (DDP/FSDP average gradients over
+ranks, which the factor undoes). The accumulated gradient is then exactly that of one big batch on one process.
+Ranks keep different numbers of rollouts after dropping equal groups, so the number of micro-batches is agreed on
+first and ranks with fewer run empty (mask-0) micro-batches: every rank joins every collective.
+
+Not here: a KL term or reference model, an entropy bonus (see grpo_roc.py); the report's load-balancing rollout
+scheduler (design section 8: rollouts are batched per step, tool calls overlap generation inside rollout.py).
+"""
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
+from code_tool import CodeTool
+from config import format_config, parse_cli, save_config
+from data import load_problems
+from grpo_roc import (drop_equal_groups, group_advantages, penalty_total, policy_loss, resample_on_correct,
+                      sequence_mean_policy_loss)
+from protocol import chat_format
+from reward import check_many, extract_answer
+from rollout import rollout
+from sampler import HFSampler, VLLMSampler, model_checksum
+
+
+@dataclass
+class TrainConfig:
+    # --- run
+    model_path: str = ""                  # policy to start from: the SFT model or the previous stage's model/
+    data: list[str] = field(default_factory=list)  # JSONL files with `problem` and an integer `answer`
+    out_dir: str = "runs/stage1"          # config.yaml, metrics.jsonl, checkpoints, model/, curves.png
+    stage: int = 1                        # label only (report: stages 1, 2, 3)
+    steps: int = 300                      # report: 300 / 85 / 125 steps for stages 1 / 2 / 3
+    seed: int = 0                         # the one seed; every random choice derives from it
+    resume: str = "auto"                  # auto: continue from out_dir's latest checkpoint; never: refuse one; or a path
+    dry_run: bool = False                 # print the resolved plan and exit without loading a model
+    world_size: int = 0                   # for dry_run only: plan for this many processes (0: the launcher's)
+    # --- GRPO-RoC (report section 4)
+    prompts_per_step: int = 512           # B (over all ranks)
+    rollouts_per_prompt: int = 32         # 2G sampled per prompt
+    group_size: int = 16                  # G kept per prompt after RoC
+    roc_mode: str = "sample"              # sample (report) | lowest (public code) | off (plain GRPO: keep all 2G)
+    loss_agg: str = "token"               # token (report, DAPO-style) | sequence (original GRPO), for ablations
+    clip_low: float = 0.2                 # epsilon_low
+    clip_high: float = 0.28               # epsilon_high (clip-higher)
+    dual_clip: float | None = None        # verl's 3.0 for A < 0; not in the report
+    # --- rollout (report sections 2 and 6)
+    max_response_tokens: int = 8192       # total response budget: 8K / 12K / 12K in stages 1 / 2 / 3
+    max_turns: int = 10                   # assistant turns: 10 / 10 / 15 in stages 1 / 2 / 3
+    max_prompt_tokens: int = 2048         # a longer rendered prompt is an input error
+    temperature: float = 1.0              # report: 1.0 for training rollouts
+    top_p: float = 1.0
+    system_prompt: str = "default"        # "default", a preset name ("compact") or the text itself
+    user_instruction: str = "Put the final answer inside <answer> </answer> as \\boxed{...}."
+    sampler: str = "hf"                   # hf (transformers generate, CPU/GPU) | vllm (GPU)
+    rollout_batch_size: int = 64          # sequences per generate call (hf)
+    vllm_gpu_memory_utilization: float = 0.5
+    vllm_tensor_parallel_size: int = 1
+    # --- code tool (report section 5)
+    tool_workers: int = 4
+    tool_timeout: float = 4.0             # seconds per call (public code: 4 s)
+    tool_memory_mb: int = 512
+    tool_max_output_chars: int = 1000     # public code: 1,000 characters
+    # --- optimizer (report section 4)
+    lr: float = 1e-6                      # constant after warm-up
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0
+    updates_per_step: int = 1             # optimizer steps (mini-batches) per RL step; >1 makes the clip matter
+    micro_batch_size: int = 4             # sequences per forward/backward
+    optimizer_from: str | None = None     # a run or checkpoint folder whose AdamW state to start from; None: fresh
+    mixed_precision: str = "no"           # no | bf16
+    gradient_checkpointing: bool = False
+    # --- logging, evaluation during training, checkpoints
+    log_every: int = 1
+    eval_data: str | None = None          # held-out JSONL for accuracy curves during training
+    eval_every: int = 0                   # steps between held-out evaluations (0: only at the end if eval_data)
+    eval_samples: int = 2
+    eval_temperature: float = 0.6
+    eval_limit: int = 0                   # first N held-out problems (0: all)
+    save_every: int = 50
+    keep_checkpoints: int = 2
+    report_to: str | None = None          # tensorboard | wandb (Accelerate trackers)
+    torch_threads: int = 0                # CPU threads for torch (0: its default); 1 leaves a core to the tool
+
+
+# ============================================================================ plain helpers (no rank logic here)
+def validate(cfg: TrainConfig, world: int) -> None:
+    """Config errors that need no files, raised before any work."""
+    problems = []
+    if cfg.roc_mode not in ("sample", "lowest", "off"):
+        problems.append(f"roc_mode must be sample, lowest or off, got {cfg.roc_mode!r}")
+    if cfg.roc_mode == "off" and cfg.group_size != cfg.rollouts_per_prompt:
+        problems.append("roc_mode=off keeps every rollout: set group_size == rollouts_per_prompt")
+    if not 2 <= cfg.group_size <= cfg.rollouts_per_prompt:
+        problems.append(f"need 2 <= group_size <= rollouts_per_prompt, got {cfg.group_size}, {cfg.rollouts_per_prompt}")
+    if cfg.prompts_per_step % world:
+        problems.append(f"prompts_per_step={cfg.prompts_per_step} must divide over {world} processes")
+    if cfg.loss_agg not in LOSSES:
+        problems.append(f"loss_agg must be one of {sorted(LOSSES)}, got {cfg.loss_agg!r}")
+    if cfg.sampler not in ("hf", "vllm"):
+        problems.append(f"sampler must be hf or vllm, got {cfg.sampler!r}")
+    if not cfg.data:
+        problems.append("data: give at least one JSONL file of problems")
+    if problems:
+        raise SystemExit("config error: " + "; ".join(problems))
+
+
+def check_inputs(cfg: TrainConfig, tokenizer, fmt, problems: list[dict]) -> None:
+    """Input errors that need the tokenizer: a prompt longer than max_prompt_tokens names its file and line."""
+    for p in problems:
+        n = len(tokenizer.encode(fmt.prompt(p["problem"]), add_special_tokens=False))
+        if n > cfg.max_prompt_tokens:
+            raise SystemExit(f"input error: {p.get('source', '?')}: prompt is {n} tokens, over max_prompt_tokens="
+                             f"{cfg.max_prompt_tokens}")
+    if cfg.max_response_tokens < 16:
+        raise SystemExit(f"config error: max_response_tokens={cfg.max_response_tokens} leaves no room to answer")
+
+
+def prompt_indices(step: int, per_step: int, n_data: int, seed: int) -> list[int]:
+    """Indices of the prompts of a step: a fresh seeded permutation per data epoch, consumed in order, so the
+    position is a pure function of the step (resume at any step, epoch boundaries included, skips nothing)."""
+    out, start = [], step * per_step
+    for i in range(start, start + per_step):
+        epoch, offset = divmod(i, n_data)
+        perm = torch.randperm(n_data, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        out.append(int(perm[offset]))
+    return out
+
+
+def rollout_sums(trajs, rewards) -> dict:
+    """Per-rollout diagnostics (report section 4) as (sum, count) pairs, so ranks can add them up exactly."""
+    pos = [t for t, r in zip(trajs, rewards) if r > 0]
+    calls = sum(t.num_tool_calls for t in trajs)
+    return {
+        "reward_mean": (sum(rewards), len(rewards)),
+        "response_tokens_mean": (sum(len(t.response_ids) for t in trajs), len(trajs)),
+        "truncated_frac": (sum(t.truncated for t in trajs), len(trajs)),
+        "tool_calls_mean": (calls, len(trajs)),
+        "tool_error_rate": (sum(t.num_failed_tool_calls for t in trajs), calls),
+        "tool_error_rate_in_correct": (sum(t.num_failed_tool_calls for t in pos), sum(t.num_tool_calls for t in pos)),
+        "no_tool_frac": (sum(t.num_tool_calls == 0 for t in trajs), len(trajs)),
+        "answer_tags_mean": (sum(t.num_answer_blocks for t in trajs), len(trajs)),
+        "turns_mean": (sum(t.num_turns for t in trajs), len(trajs)),
+    }
+
+
+def select_rollouts(rewards: list[list[float]], penalties: list[list[float]], keep: int, mode: str,
+                    generator) -> tuple[list[int], list[list[int]]]:
+    """Phases 4-5 for one rank: groups with signal, and for each of them the indices of the rollouts kept."""
+    groups = drop_equal_groups(rewards)
+    if mode == "off":
+        return groups, [list(range(len(rewards[g]))) for g in groups]
+    return groups, [resample_on_correct(rewards[g], penalties[g], keep, mode=mode, generator=generator)
+                    for g in groups]
+
+
+def pad_batch(trajs, pad_id: int) -> dict:
+    """Right-padded tensors for a micro-batch of n trajectories.
+    input_ids, attention_mask: (n, L) with L = longest prompt + response; loss_mask: (n, L-1), aligned with the
+    next-token targets input_ids[:, 1:], 1 exactly where the target is a token the policy sampled."""
+    seqs = [t.prompt_ids + t.response_ids for t in trajs]
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(trajs), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(trajs), L), dtype=torch.long)
+    mask = torch.zeros((len(trajs), L - 1))
+    for i, (t, s) in enumerate(zip(trajs, seqs)):
+        ids[i, :len(s)] = torch.tensor(s)
+        attn[i, :len(s)] = 1
+        p = len(t.prompt_ids)
+        mask[i, p - 1:p - 1 + len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.float)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+
+
+def token_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+    """log pi(x_t | x_<t) of every next token: (n, L-1). Logits are divided by the sampling temperature so the
+    numbers are those of the distribution the rollouts were drawn from (verl does the same)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+
+
+# Loss aggregation for ablations: one string picks the function, at this one call site.
+LOSSES = {"token": policy_loss, "sequence": sequence_mean_policy_loss}
+
+
+# ============================================================================ distributed plumbing (the only rank logic)
+def all_sum(accelerator, values: list[float]) -> list[float]:
+    """Sum a list of numbers over ranks (a no-op on one process)."""
+    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def reduce_sums(accelerator, sums: dict) -> dict:
+    """{name: (sum, count)} from every rank -> {name: global sum / global count} (NaN where the count is 0)."""
+    flat = all_sum(accelerator, [x for pair in sums.values() for x in pair])
+    return {k: (flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] else float("nan")) for i, k in enumerate(sums)}
+
+
+def all_max(accelerator, value: float) -> float:
+    """The largest `value` over ranks."""
+    t = torch.tensor([value], dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.item()
+
+
+def rank_share(items: list, accelerator) -> list:
+    """This rank's contiguous share (whole prompts, so a group never straddles ranks)."""
+    n = len(items) // accelerator.num_processes
+    return items[accelerator.process_index * n:(accelerator.process_index + 1) * n]
+
+
+# ============================================================================ the policy update (phases 7-8)
+def micro_batches(items: list, size: int, count: int) -> list[list]:
+    """Split `items` into exactly `count` chunks of at most `size` (trailing chunks may be empty)."""
+    chunks = [items[i:i + size] for i in range(0, len(items), size)]
+    return chunks + [[] for _ in range(count - len(chunks))]
+
+
+def make_batch(chunk: list, dummy, pad_id: int) -> tuple[dict, torch.Tensor]:
+    """(batch, advantages (n,)) for a chunk of (trajectory, advantage); an empty chunk becomes one mask-0 copy of
+    `dummy`, so a rank with nothing left to train on still joins every collective."""
+    if chunk:
+        return pad_batch([t for t, _ in chunk], pad_id), torch.tensor([a for _, a in chunk], dtype=torch.float)
+    batch = pad_batch([dummy], pad_id)
+    batch["loss_mask"].zero_()
+    return batch, torch.zeros(1)
+
+
+def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, cfg, pad_id: int) -> dict:
+    """Phases 7-8 on this rank's kept [(trajectory, advantage)]. Returns metrics as {name: (sum, count)}."""
+    world, size = accelerator.num_processes, cfg.micro_batch_size
+    # Every rank runs the same number of micro-batches (the largest any rank needs).
+    n_micro = max(int(all_max(accelerator, math.ceil(len(kept) / size))), 1)
+    chunks = micro_batches(kept, size, n_micro)
+    batches = [make_batch(c, dummy, pad_id) for c in chunks]
+    # Phase 7: old log-probs under the policy before this step's first update.
+    model.eval()
+    with torch.no_grad():
+        old = [token_logprobs(model, b, cfg.temperature) for b, _ in batches]
+    model.train()
+    # Phase 8: `updates_per_step` optimizer steps (mini-batches), each accumulating its micro-batches.
+    sums = {}
+    per_update = math.ceil(n_micro / cfg.updates_per_step)
+    for u in range(cfg.updates_per_step):
+        ids = list(range(u * per_update, min((u + 1) * per_update, n_micro)))
+        # The normaliser, over ALL ranks and micro-batches of this mini-batch: unmasked tokens (token-level loss)
+        # or sequences (sequence-mean ablation).
+        tokens, seqs = all_sum(accelerator, [sum(batches[i][0]["loss_mask"].sum().item() for i in ids),
+                                             sum(len(chunks[i]) for i in ids)])
+        norm = {"num_tokens": tokens} if cfg.loss_agg == "token" else {"num_sequences": max(seqs, 1)}
+        loss_sum = 0.0
+        for j, i in enumerate(ids):
+            (batch, adv), last = batches[i], j == len(ids) - 1
+            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                logp = token_logprobs(model, batch, cfg.temperature)
+                loss, metrics = LOSSES[cfg.loss_agg](logp, old[i], adv, batch["loss_mask"], clip_low=cfg.clip_low,
+                                                     clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, **norm)
+                # x world: DDP/FSDP average gradients over ranks, and the normaliser already counts every rank.
+                accelerator.backward(loss * world)
+            loss_sum += loss.item()
+            w = batch["loss_mask"].sum().item()
+            for k, v in metrics.items():
+                _add(sums, k, v * w, w)
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        # Each rank adds its share; reduce_sums divides the global sum by updates_per_step.
+        _add(sums, "policy", loss_sum, 1.0 / world)
+        _add(sums, "grad_norm", float(grad_norm) / world, 1.0 / world)
+    return sums
+
+
+def _add(sums: dict, key: str, value: float, count: float) -> None:
+    s = sums.setdefault(key, [0.0, 0.0])
+    s[0] += value
+    s[1] += count
+
+
+# ============================================================================ one RL step
+def train_step(step: int, cfg: TrainConfig, run) -> dict:
+    """Phases 1-9 for one step on this rank; returns {name: (sum, count)} to be reduced over ranks."""
+    acc, K = run.accelerator, cfg.rollouts_per_prompt
+    t0 = time.perf_counter()
+    # ---------------------------------------------------------------- 1. sample B prompts (this rank's share)
+    share = rank_share(prompt_indices(step, cfg.prompts_per_step, len(run.problems), cfg.seed), acc)
+    problems = [run.problems[i] for i in share]
+    # ---------------------------------------------------------------- 2. rollout: 2G per prompt
+    trajs = rollout([p["problem"] for p in problems for _ in range(K)], run.sampler, run.tool, run.tokenizer,
+                    run.fmt, max_response_tokens=cfg.max_response_tokens, max_turns=cfg.max_turns,
+                    temperature=cfg.temperature, top_p=cfg.top_p, progress=acc.is_local_main_process)
+    t_rollout = time.perf_counter() - t0
+    # ---------------------------------------------------------------- 3. reward: 0/1 on the final answer
+    golds = [problems[i // K]["answer"] for i in range(len(trajs))]
+    verdicts = check_many([extract_answer(t.text) for t in trajs], golds)
+    rewards = [float(v.correct) for v in verdicts]
+    for t, r in zip(trajs, rewards):
+        t.reward = r
+    # ---------------------------------------------------------------- 4-5. drop equal groups, Resample-on-Correct
+    grouped = [rewards[g * K:(g + 1) * K] for g in range(len(problems))]
+    penalties = [[penalty_total(t.num_tool_calls, t.num_failed_tool_calls, t.num_answer_blocks, t.num_turns)
+                  for t in trajs[g * K:(g + 1) * K]] for g in range(len(problems))]
+    roc_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
+    groups, kept_idx = select_rollouts(grouped, penalties, cfg.group_size, cfg.roc_mode, roc_gen)
+    kept = [trajs[g * K + i] for g, idx in zip(groups, kept_idx) for i in idx]
+    # ---------------------------------------------------------------- 6. advantages per kept group
+    # A_i = (r_i - mean_group) / (std_group + 1e-6), unbiased std, every token of rollout i gets A_i
+    kept_rewards = torch.tensor([t.reward for t in kept], dtype=torch.float)
+    adv = group_advantages(kept_rewards, len(kept_idx[0])).tolist() if kept else []
+    # ---------------------------------------------------------------- 7-8. old log-probs, policy update
+    t1 = time.perf_counter()
+    if hasattr(run.sampler, "sleep"):
+        run.sampler.sleep()  # colocated vLLM: free the GPU memory of its weights and KV cache for the update
+    sums = {f"loss/{k}": v for k, v in update_policy(acc, run.model, run.optimizer, run.scheduler,
+                                                      list(zip(kept, adv)), trajs[0], cfg, run.pad_id).items()}
+    t_update = time.perf_counter() - t1
+    # ---------------------------------------------------------------- 9. hand the new weights to the sampler
+    policy = acc.unwrap_model(run.model)
+    run.sampler.update_weights(policy)
+    ours, theirs = model_checksum(policy), run.sampler.weights_checksum()
+    # Exact for a sampler sharing or copying fp32 weights; a bf16 engine copy agrees to about 3 digits.
+    if not (ours == theirs if cfg.sampler == "hf" else abs(ours - theirs) <= 1e-3 * max(abs(ours), 1.0)):
+        raise RuntimeError(f"the sampler's weights differ from the trainer's after the hand-off: {theirs} vs {ours}")
+    # ---------------------------------------------------------------- statistics for the log
+    sums.update({f"rollout/{k}": v for k, v in rollout_sums(trajs, rewards).items()})
+    kept_pos = [t for t in kept if t.reward > 0]
+    sampled = sum(sum(t.loss_mask) for t in trajs)
+    sums.update({
+        "roc/equal_group_frac": (len(problems) - len(groups), len(problems)),
+        "roc/pos_kept_mean": (len(kept_pos), len(groups)),
+        "roc/neg_kept_mean": (len(kept) - len(kept_pos), len(groups)),
+        "roc/tool_error_rate_in_correct": (sum(t.num_failed_tool_calls for t in kept_pos),
+                                           sum(t.num_tool_calls for t in kept_pos)),
+        "perf/tokens_per_s": (sampled, t_rollout),
+        "perf/rollout_s": (t_rollout, 1.0),
+        "perf/update_s": (t_update, 1.0),
+        "perf/step_s": (time.perf_counter() - t0, 1.0),
+        "loss/lr": (run.scheduler.get_last_lr()[0], 1.0),
+        "reward/timeouts": (sum(v.timed_out for v in verdicts), 1.0 / acc.num_processes),
+    })
+    return sums
+
+
+def held_out_eval(cfg: TrainConfig, run) -> dict:
+    """Accuracy and diagnostics on the held-out split (mean reward over eval_samples samples per problem)."""
+    acc = run.accelerator
+    problems = run.eval_problems[acc.process_index::acc.num_processes]
+    trajs = rollout([p["problem"] for p in problems for _ in range(cfg.eval_samples)], run.sampler, run.tool,
+                    run.tokenizer, run.fmt, max_response_tokens=cfg.max_response_tokens, max_turns=cfg.max_turns,
+                    temperature=cfg.eval_temperature, top_p=1.0)
+    verdicts = check_many([extract_answer(t.text) for t in trajs],
+                          [problems[i // cfg.eval_samples]["answer"] for i in range(len(trajs))])
+    rewards = [float(v.correct) for v in verdicts]
+    stats = reduce_sums(acc, rollout_sums(trajs, rewards))
+    return {"eval/accuracy": stats["reward_mean"], "eval/tool_error_rate_in_correct":
+            stats["tool_error_rate_in_correct"], "eval/response_tokens_mean": stats["response_tokens_mean"],
+            "eval/tool_calls_mean": stats["tool_calls_mean"], "eval/truncated_frac": stats["truncated_frac"]}
+
+
+# ============================================================================ set-up, logging, checkpoints
+def print_plan(cfg: TrainConfig, world: int) -> None:
+    """The resolved plan, without loading a model (dry_run=true): check a 64-GPU config on a laptop."""
+    validate(cfg, world)
+    per_rank = cfg.prompts_per_step // world
+    kept = per_rank * cfg.group_size
+    lines = [
+        f"world size             {world}",
+        f"prompts per step       {cfg.prompts_per_step} (B) = {per_rank} per rank",
+        f"rollouts per step      {cfg.prompts_per_step * cfg.rollouts_per_prompt} (2G = {cfg.rollouts_per_prompt}"
+        f" per prompt), {per_rank * cfg.rollouts_per_prompt} per rank",
+        f"kept for the update    at most {kept} per rank (G = {cfg.group_size}, RoC mode {cfg.roc_mode})",
+        f"micro-batches          up to {math.ceil(kept / cfg.micro_batch_size)} per rank of {cfg.micro_batch_size}"
+        f" sequences, {cfg.updates_per_step} optimizer step(s) per RL step",
+        f"token budget           {cfg.max_response_tokens} response tokens, {cfg.max_turns} turns per rollout; "
+        f"at most {per_rank * cfg.rollouts_per_prompt * cfg.max_response_tokens:,} response tokens per rank per step",
+        f"steps                  {cfg.steps} (stage {cfg.stage}), lr {cfg.lr} after {cfg.warmup_steps} warm-up steps",
+        f"sampler                {cfg.sampler}; data {cfg.data}; out {cfg.out_dir}",
+    ]
+    print("\n".join(lines))
+
+
+def resume_point(cfg: TrainConfig, out: Path) -> Path | None:
+    """Which checkpoint to continue from. A folder that already holds a run is never silently started over."""
+    latest = latest_checkpoint(out)
+    has_log = (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0
+    if cfg.resume == "never":
+        if latest or has_log:
+            raise SystemExit(f"resume error: {out} already holds a run; use another out_dir or resume=auto")
+        return None
+    if cfg.resume == "auto":
+        if latest is None and has_log:
+            raise SystemExit(f"resume error: {out} has metrics.jsonl but no checkpoint to continue from; "
+                             f"use another out_dir or remove that folder")
+        return latest
+    path = Path(cfg.resume)
+    if not (path / STATE_FILE).is_file():
+        raise SystemExit(f"resume error: {path} is not a checkpoint folder (no {STATE_FILE})")
+    return path
+
+
+def truncate_log(path: Path, last_step: int) -> None:
+    """Keep only log lines up to the checkpoint's step, so a resumed run's log has each step once."""
+    if path.is_file():
+        rows = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+        path.write_text("".join(r + "\n" for r in rows))
+
+
+def optimizer_file(path: str) -> Path:
+    """optimizer.bin of a checkpoint folder, or of a run folder's latest checkpoint."""
+    folder = Path(path)
+    if not (folder / "optimizer.bin").is_file() and (folder / "latest").is_file():
+        folder = latest_checkpoint(folder)
+    if not (folder / "optimizer.bin").is_file():
+        raise SystemExit(f"input error: optimizer_from={path}: no optimizer.bin there or in its latest checkpoint")
+    return folder / "optimizer.bin"
+
+
+def load_data(paths: list[str]) -> list[dict]:
+    try:
+        return [p for path in paths for p in load_problems(path)]
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"input error: {e}") from None
+
+
+def plot_curves(metrics_path: Path, png_path: Path) -> None:
+    """The report's diagnostics over steps, one panel each (written at the end of a stage)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    keys = ["rollout/reward_mean", "eval/accuracy", "rollout/tool_error_rate_in_correct",
+            "rollout/response_tokens_mean", "rollout/tool_calls_mean", "rollout/truncated_frac"]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    for ax, key in zip(axes.flat, keys):
+        pts = [(r["step"], r[key]) for r in rows if key in r and r[key] == r[key]]
+        if pts:
+            ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=90)
+    plt.close(fig)
+
+
+class Run:
+    """The objects a step needs, built once (a plain namespace, not a framework)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def setup(cfg: TrainConfig):
+    """Everything before step 0, in the order that stops on bad input before any expensive work."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    acc = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.report_to, project_dir=cfg.out_dir)
+    validate(cfg, acc.num_processes)
+    out = Path(cfg.out_dir)
+    problems = load_data(cfg.data)
+    eval_problems = load_data([cfg.eval_data]) if cfg.eval_data else []
+    if cfg.eval_limit:
+        eval_problems = eval_problems[:cfg.eval_limit]
+    if not Path(cfg.model_path).exists() and cfg.model_path.count("/") != 1:
+        raise SystemExit(f"input error: model_path {cfg.model_path!r} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    fmt = chat_format(cfg.system_prompt, cfg.user_instruction)
+    check_inputs(cfg, tokenizer, fmt, problems + eval_problems)
+    start = resume_point(cfg, out)
+    if cfg.optimizer_from:
+        optimizer_file(cfg.optimizer_from)
+    if acc.is_main_process:
+        print(format_config(cfg))
+        save_config(cfg, out / "config.yaml")
+        if cfg.report_to:
+            acc.init_trackers("rstar2", config={k: str(v) for k, v in vars(cfg).items()})
+    set_seed(cfg.seed + acc.process_index)  # rollouts differ per rank; everything else is seeded explicitly
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype="auto")
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay)
+    if cfg.optimizer_from and start is None:
+        optimizer.load_state_dict(torch.load(optimizer_file(cfg.optimizer_from), weights_only=False))
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] = cfg.lr
+    # lr_t = lr * min(1, (t + 1) / warmup_steps): linear warm-up, then constant (report section 4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / max(cfg.warmup_steps, 1)))
+    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    step = 0
+    if start is not None:
+        step = load_checkpoint(acc, start)["step"]
+        if acc.is_main_process:
+            truncate_log(out / "metrics.jsonl", step)
+            print(f"resumed from {start} at step {step}")
+    sampler = make_sampler(cfg, acc.unwrap_model(model), tokenizer)
+    tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
+                    max_output_chars=cfg.tool_max_output_chars)
+    return step, Run(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                     tool=tool, tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems,
+                     pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out)
+
+
+def make_sampler(cfg: TrainConfig, model, tokenizer):
+    if cfg.sampler == "vllm":
+        return VLLMSampler(cfg.model_path, tokenizer, seed=cfg.seed,
+                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                           tensor_parallel_size=cfg.vllm_tensor_parallel_size)
+    return HFSampler(model, tokenizer, batch_size=cfg.rollout_batch_size)
+
+
+def log_line(step: int, m: dict) -> str:
+    keys = [("reward", "rollout/reward_mean"), ("acc", "eval/accuracy"), ("err+", "rollout/tool_error_rate_in_correct"),
+            ("calls", "rollout/tool_calls_mean"), ("len", "rollout/response_tokens_mean"),
+            ("trunc", "rollout/truncated_frac"), ("equal", "roc/equal_group_frac"), ("tok/s", "perf/tokens_per_s")]
+    return f"step {step:4d} " + " ".join(f"{name} {m[k]:.3g}" for name, k in keys if k in m)
+
+
+def main(argv=None) -> None:
+    cfg = parse_cli(TrainConfig, argv)
+    if cfg.dry_run:
+        print_plan(cfg, cfg.world_size or int(os.environ.get("WORLD_SIZE", 1)))
+        return
+    step, run = setup(cfg)
+    acc, log_path = run.accelerator, run.out / "metrics.jsonl"
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"stage {cfg.stage}", disable=not acc.is_main_process)
+    try:
+        while step < cfg.steps:
+            metrics = reduce_sums(acc, train_step(step, cfg, run))
+            step += 1
+            if run.eval_problems and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
+                metrics.update(held_out_eval(cfg, run))
+            if acc.is_main_process:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps({"step": step, "stage": cfg.stage, **metrics}) + "\n")
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    bar.write(log_line(step, metrics))
+            if cfg.report_to:
+                acc.log(metrics, step=step)
+            bar.update(1)
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                save_checkpoint(acc, run.out, step, {"stage": cfg.stage,
+                                                     "prompts_consumed": step * cfg.prompts_per_step},
+                                keep_last=cfg.keep_checkpoints)
+    finally:
+        run.tool.close()
+        bar.close()
+    acc.wait_for_everyone()
+    state = acc.get_state_dict(run.model)
+    if acc.is_main_process:
+        acc.unwrap_model(run.model).save_pretrained(run.out / "model", state_dict=state)
+        run.tokenizer.save_pretrained(run.out / "model")
+        plot_curves(log_path, run.out / "curves.png")
+        print(f"saved {run.out / 'model'} and {run.out / 'curves.png'}")
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    main()
