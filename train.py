@@ -176,12 +176,14 @@ def rollout_sums(trajs, rewards) -> dict:
 
 
 def select_rollouts(rewards: list[list[float]], penalties: list[list[float]], keep: int, mode: str,
-                    generator) -> tuple[list[int], list[list[int]]]:
-    """Phases 4-5 for one rank: groups with signal, and for each of them the indices of the rollouts kept."""
+                    generators: list) -> tuple[list[int], list[list[int]]]:
+    """Phases 4-5 for one rank: groups with signal, and for each of them the indices of the rollouts kept.
+    generators: one torch.Generator per group (seeded by the group's global position, so the choice does not
+    depend on how many ranks share the step)."""
     groups = drop_equal_groups(rewards)
     if mode == "off":
         return groups, [list(range(len(rewards[g]))) for g in groups]
-    return groups, [resample_on_correct(rewards[g], penalties[g], keep, mode=mode, generator=generator)
+    return groups, [resample_on_correct(rewards[g], penalties[g], keep, mode=mode, generator=generators[g])
                     for g in groups]
 
 
@@ -334,8 +336,9 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     grouped = [rewards[g * K:(g + 1) * K] for g in range(len(problems))]
     penalties = [[penalty_total(t.num_tool_calls, t.num_failed_tool_calls, t.num_answer_blocks, t.num_turns)
                   for t in trajs[g * K:(g + 1) * K]] for g in range(len(problems))]
-    roc_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
-    groups, kept_idx = select_rollouts(grouped, penalties, cfg.group_size, cfg.roc_mode, roc_gen)
+    first = acc.process_index * len(problems)  # global position of this rank's first group in the step
+    gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 10_007 + first + g) for g in range(len(problems))]
+    groups, kept_idx = select_rollouts(grouped, penalties, cfg.group_size, cfg.roc_mode, gens)
     kept = [trajs[g * K + i] for g, idx in zip(groups, kept_idx) for i in idx]
     # ---------------------------------------------------------------- 6. advantages per kept group
     # A_i = (r_i - mean_group) / (std_group + 1e-6), unbiased std, every token of rollout i gets A_i
@@ -491,7 +494,9 @@ def setup(cfg: TrainConfig):
 
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    acc = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.report_to, project_dir=cfg.out_dir)
+    # cpu=True without a GPU: the only way Accelerate sets up gloo across CPU processes (torchrun, accelerate launch)
+    acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision,
+                      log_with=cfg.report_to, project_dir=cfg.out_dir)
     validate(cfg, acc.num_processes)
     out = Path(cfg.out_dir)
     problems = load_data(cfg.data)

@@ -6,7 +6,8 @@ nothing would be tested. This sampler writes the turns itself (correct for some 
 others, some through a real tool call) while the trainer computes log-probs and gradients on the real model.
 
 Problems are "Say N." with answer N. Within one generate call, the k-th copy of a problem answers correctly when
-k is even (or, with use_rng, when the global torch RNG says so: that makes resume tests check RNG restoring).
+k is even, with a pattern of period 4, so a problem drawn twice in one step behaves the same whichever rank
+plays it (or, with use_rng, when the global torch RNG says so: that makes resume tests check RNG restoring).
 """
 import re
 
@@ -27,13 +28,14 @@ class ScriptedSampler:
         self.updates = 0
 
     def _turn(self, text: str, copy: int) -> str:
+        copy %= 4
         n = int(re.findall(r"Say (\d+)\.", text)[0])
         correct = bool(torch.rand(1).item() < 0.5) if self.use_rng else copy % 2 == 0
         if "<tool_response>" in text:  # second turn: answer from the tool's output
             return f"</reason>\n<answer>\\boxed{{{n if correct else n + 1}}}</answer>"
         if copy % 4 == 1:  # some rollouts use the tool first
             return "Use Python.</reason>\n" + format_tool_call(f"print({n})")
-        filler = "" if correct else "Hmm. " * (1 + copy % 3)  # lengths differ, so token normalisation matters
+        filler = "" if correct else "Hmm. " * copy  # lengths differ, so token normalisation matters
         return f"{filler}</reason>\n<answer>\\boxed{{{n if correct else n + 1}}}</answer>"
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):

@@ -54,7 +54,7 @@ def test_pad_batch_mask_sits_on_the_targets_the_policy_sampled():
 
 
 def test_select_rollouts_off_keeps_everything_of_signal_groups():
-    groups, kept = train.select_rollouts([[1, 0, 1, 0], [1, 1, 1, 1]], [[0.0] * 4] * 2, 4, "off", None)
+    groups, kept = train.select_rollouts([[1, 0, 1, 0], [1, 1, 1, 1]], [[0.0] * 4] * 2, 4, "off", [None, None])
     assert groups == [0] and kept == [[0, 1, 2, 3]]
 
 
