@@ -65,3 +65,29 @@ def load_checkpoint(accelerator, path) -> dict:
     """Restore what save_checkpoint saved into the prepared objects; returns the trainer state dict."""
     accelerator.load_state(str(path))
     return json.loads((Path(path) / STATE_FILE).read_text())
+
+
+def resume_point(cfg, out: Path) -> Path | None:
+    """Which checkpoint to continue from. A folder that already holds a run is never silently started over."""
+    latest = latest_checkpoint(out)
+    has_log = (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0
+    if cfg.resume == "never":
+        if latest or has_log:
+            raise SystemExit(f"resume error: {out} already holds a run; use another out_dir or resume=auto")
+        return None
+    if cfg.resume == "auto":
+        if latest is None and has_log:
+            raise SystemExit(f"resume error: {out} has metrics.jsonl but no checkpoint to continue from; "
+                             f"use another out_dir or remove that folder")
+        return latest
+    path = Path(cfg.resume)
+    if not (path / STATE_FILE).is_file():
+        raise SystemExit(f"resume error: {path} is not a checkpoint folder (no {STATE_FILE})")
+    return path
+
+
+def truncate_log(path: Path, last_step: int) -> None:
+    """Keep only log lines up to the checkpoint's step, so a resumed run's log has each step once."""
+    if path.is_file():
+        rows = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+        path.write_text("".join(r + "\n" for r in rows))

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from config import format_config, parse_cli, save_config
-from data import load_problems, write_jsonl
+from data import check_model_path, load_problems, write_jsonl
 from protocol import DEFAULT_USER_INSTRUCTION, IM_END, chat_format, parse_tool_call
 from reward import check_many, extract_answer, is_equivalent
 from rollout import rollout
@@ -333,6 +333,7 @@ def run(cfg: EvalConfig) -> dict:
     print(format_config(cfg))
     save_config(cfg, out / "config.yaml")
     try:  # every input error before the model loads
+        check_model_path(cfg.model_path)
         benches = [load_benchmark(b, out / "benchmarks") for b in cfg.benchmarks]
     except ValueError as e:
         raise SystemExit(f"input error: {e}") from None

@@ -62,10 +62,8 @@ DEFAULT_SYSTEM_PROMPT = (
 DEFAULT_USER_INSTRUCTION = "Put the final answer inside <answer> </answer> as \\boxed{...}."
 # The tiny character-level model pays one token per character, so its configs use this shorter text; the markup,
 # the tool name and the call format are the same as in the default.
-COMPACT_SYSTEM_PROMPT = (
-    "Think in <reason></reason>, answer in <answer>\\boxed{}</answer>. Python tool: <tools>" + TOOL_NAME + "</tools> "
-    'call <tool_call>{"name": ..., "arguments": {"code": ..., "input": ...}}</tool_call>'
-)
+COMPACT_SYSTEM_PROMPT = ("Tool: <tools>" + TOOL_NAME + "</tools> via <tool_call>{json}</tool_call>. "
+                         "Answer: <answer>\\boxed{}</answer>")
 # Config values that name a preset instead of giving the text itself.
 SYSTEM_PROMPTS = {"default": DEFAULT_SYSTEM_PROMPT, "compact": COMPACT_SYSTEM_PROMPT}
 

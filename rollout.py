@@ -192,16 +192,24 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
     return trajs
 
 
-def rollout_stats(trajs: list[Trajectory]) -> dict:
-    """Namespaced means for the step log (rstar2-agent.md section 4 diagnostics)."""
-    n = max(len(trajs), 1)
+def rollout_sums(trajs, rewards) -> dict:
+    """Per-rollout diagnostics (rstar2-agent.md section 4) as {name: (sum, count)}, so data-parallel ranks can
+    add them up exactly before dividing (`means`). rewards: one 0/1 reward per trajectory."""
+    pos = [t for t, r in zip(trajs, rewards) if r > 0]
     calls = sum(t.num_tool_calls for t in trajs)
     return {
-        "rollout/response_len": sum(len(t.response_ids) for t in trajs) / n,
-        "rollout/sampled_tokens": sum(sum(t.loss_mask) for t in trajs) / n,
-        "rollout/turns": sum(t.num_turns for t in trajs) / n,
-        "rollout/tool_calls": calls / n,
-        "rollout/tool_error_ratio": sum(t.num_failed_tool_calls for t in trajs) / max(calls, 1),
-        "rollout/truncated_ratio": sum(t.truncated for t in trajs) / n,
-        "rollout/answer_blocks": sum(t.num_answer_blocks for t in trajs) / n,
+        "reward_mean": (sum(rewards), len(rewards)),
+        "response_tokens_mean": (sum(len(t.response_ids) for t in trajs), len(trajs)),
+        "truncated_frac": (sum(t.truncated for t in trajs), len(trajs)),
+        "tool_calls_mean": (calls, len(trajs)),
+        "tool_error_rate": (sum(t.num_failed_tool_calls for t in trajs), calls),
+        "tool_error_rate_in_correct": (sum(t.num_failed_tool_calls for t in pos), sum(t.num_tool_calls for t in pos)),
+        "no_tool_frac": (sum(t.num_tool_calls == 0 for t in trajs), len(trajs)),
+        "answer_tags_mean": (sum(t.num_answer_blocks for t in trajs), len(trajs)),
+        "turns_mean": (sum(t.num_turns for t in trajs), len(trajs)),
     }
+
+
+def means(sums: dict) -> dict:
+    """{name: (sum, count)} -> {name: sum / count}, NaN where nothing was counted (e.g. no tool calls)."""
+    return {k: (s / c if c else float("nan")) for k, (s, c) in sums.items()}

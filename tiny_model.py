@@ -9,6 +9,7 @@ Tokenizer (a `PreTrainedTokenizerFast` built with the `tokenizers` library):
 - every markup string of `protocol.SPECIAL_TOKENS` (ChatML markers, `<reason>`, `<tool_call>`, the tool name, ...)
   is one token. `<|im_start|>`, `<|im_end|>` and the pad/unk tokens are special tokens; the other markers are plain
   added tokens (as in Qwen's tokenizer), so `decode(..., skip_special_tokens=True)` keeps `<answer>` and friends;
+- the fixed pieces of a tool call's JSON and `\\boxed{` (PHRASES) are one token each;
 - eos = `<|im_end|>` (a turn ends there), pad = `<|pad|>`, and any other character (e.g. "é") becomes `<|unk|>`:
   only ASCII text round-trips exactly. Decoding concatenates tokens (no spaces inserted, no clean-up).
 
@@ -35,6 +36,10 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config,
 from protocol import IM_END, IM_START, SPECIAL_TOKENS
 
 PAD, UNK = "<|pad|>", "<|unk|>"
+# Fixed pieces of the tool-call JSON and of the answer, one token each (as a BPE merge would make them). They halve
+# the distance between the numbers in the problem and where the code copies them, which a 1M-parameter model from
+# scratch otherwise learns slowly. The text is unchanged: the same characters, fewer tokens.
+PHRASES = ["assistant\n", '{"name": "', '", "arguments": {"code": "', '", "input": ""}}', "print(", "\\boxed{"]
 # Printable ASCII (space .. tilde) plus newline and tab: one token each.
 CHARS = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
 assert set(string.printable) - set(CHARS) <= {"\r", "\x0b", "\x0c"}
@@ -42,7 +47,7 @@ assert set(string.printable) - set(CHARS) <= {"\r", "\x0b", "\x0c"}
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """The character-level tokenizer. Ids: pad 0, unk 1, the protocol markers, then the characters."""
-    markers = [PAD, UNK] + list(SPECIAL_TOKENS)
+    markers = [PAD, UNK] + list(SPECIAL_TOKENS) + PHRASES
     vocab = {tok: i for i, tok in enumerate(markers + CHARS)}
     core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     # Each character is its own pre-token ([\s\S] also matches newline); markers are matched before this step.
@@ -51,7 +56,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, unk_token=UNK, eos_token=IM_END,
                                   clean_up_tokenization_spaces=False, padding_side="left")
     tok.add_special_tokens({"additional_special_tokens": [IM_START, IM_END]})
-    tok.add_tokens([m for m in SPECIAL_TOKENS if m not in (IM_START, IM_END)])
+    tok.add_tokens([m for m in SPECIAL_TOKENS + PHRASES if m not in (IM_START, IM_END)])
     assert len(tok) == len(vocab), "every marker must already be in the vocabulary"
     return tok
 

@@ -39,15 +39,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
+from checkpoint import latest_checkpoint, load_checkpoint, resume_point, save_checkpoint, truncate_log
 from code_tool import CodeTool
 from config import format_config, parse_cli, save_config
-from data import load_problems
+from data import check_model_path, load_problems
+from plots import plot_curves
 from grpo_roc import (drop_equal_groups, group_advantages, penalty_total, policy_loss, resample_on_correct,
                       sequence_mean_policy_loss)
 from protocol import chat_format
 from reward import check_many, extract_answer
-from rollout import rollout
+from rollout import rollout, rollout_sums
 from sampler import HFSampler, VLLMSampler, model_checksum
 
 
@@ -156,23 +157,6 @@ def prompt_indices(step: int, per_step: int, n_data: int, seed: int) -> list[int
         perm = torch.randperm(n_data, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
         out.append(int(perm[offset]))
     return out
-
-
-def rollout_sums(trajs, rewards) -> dict:
-    """Per-rollout diagnostics (report section 4) as (sum, count) pairs, so ranks can add them up exactly."""
-    pos = [t for t, r in zip(trajs, rewards) if r > 0]
-    calls = sum(t.num_tool_calls for t in trajs)
-    return {
-        "reward_mean": (sum(rewards), len(rewards)),
-        "response_tokens_mean": (sum(len(t.response_ids) for t in trajs), len(trajs)),
-        "truncated_frac": (sum(t.truncated for t in trajs), len(trajs)),
-        "tool_calls_mean": (calls, len(trajs)),
-        "tool_error_rate": (sum(t.num_failed_tool_calls for t in trajs), calls),
-        "tool_error_rate_in_correct": (sum(t.num_failed_tool_calls for t in pos), sum(t.num_tool_calls for t in pos)),
-        "no_tool_frac": (sum(t.num_tool_calls == 0 for t in trajs), len(trajs)),
-        "answer_tags_mean": (sum(t.num_answer_blocks for t in trajs), len(trajs)),
-        "turns_mean": (sum(t.num_turns for t in trajs), len(trajs)),
-    }
 
 
 def select_rollouts(rewards: list[list[float]], penalties: list[list[float]], keep: int, mode: str,
@@ -416,32 +400,6 @@ def print_plan(cfg: TrainConfig, world: int) -> None:
     print("\n".join(lines))
 
 
-def resume_point(cfg: TrainConfig, out: Path) -> Path | None:
-    """Which checkpoint to continue from. A folder that already holds a run is never silently started over."""
-    latest = latest_checkpoint(out)
-    has_log = (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0
-    if cfg.resume == "never":
-        if latest or has_log:
-            raise SystemExit(f"resume error: {out} already holds a run; use another out_dir or resume=auto")
-        return None
-    if cfg.resume == "auto":
-        if latest is None and has_log:
-            raise SystemExit(f"resume error: {out} has metrics.jsonl but no checkpoint to continue from; "
-                             f"use another out_dir or remove that folder")
-        return latest
-    path = Path(cfg.resume)
-    if not (path / STATE_FILE).is_file():
-        raise SystemExit(f"resume error: {path} is not a checkpoint folder (no {STATE_FILE})")
-    return path
-
-
-def truncate_log(path: Path, last_step: int) -> None:
-    """Keep only log lines up to the checkpoint's step, so a resumed run's log has each step once."""
-    if path.is_file():
-        rows = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
-        path.write_text("".join(r + "\n" for r in rows))
-
-
 def optimizer_file(path: str) -> Path:
     """optimizer.bin of a checkpoint folder, or of a run folder's latest checkpoint."""
     folder = Path(path)
@@ -457,26 +415,6 @@ def load_data(paths: list[str]) -> list[dict]:
         return [p for path in paths for p in load_problems(path)]
     except (OSError, ValueError) as e:
         raise SystemExit(f"input error: {e}") from None
-
-
-def plot_curves(metrics_path: Path, png_path: Path) -> None:
-    """The report's diagnostics over steps, one panel each (written at the end of a stage)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-    keys = ["rollout/reward_mean", "eval/accuracy", "rollout/tool_error_rate_in_correct",
-            "rollout/response_tokens_mean", "rollout/tool_calls_mean", "rollout/truncated_frac"]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, key in zip(axes.flat, keys):
-        pts = [(r["step"], r[key]) for r in rows if key in r and r[key] == r[key]]
-        if pts:
-            ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None)
-        ax.set_title(key, fontsize=9)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=90)
-    plt.close(fig)
 
 
 class Run:
@@ -503,8 +441,10 @@ def setup(cfg: TrainConfig):
     eval_problems = load_data([cfg.eval_data]) if cfg.eval_data else []
     if cfg.eval_limit:
         eval_problems = eval_problems[:cfg.eval_limit]
-    if not Path(cfg.model_path).exists() and cfg.model_path.count("/") != 1:
-        raise SystemExit(f"input error: model_path {cfg.model_path!r} does not exist")
+    try:
+        check_model_path(cfg.model_path)
+    except ValueError as e:
+        raise SystemExit(f"input error: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     fmt = chat_format(cfg.system_prompt, cfg.user_instruction)
     check_inputs(cfg, tokenizer, fmt, problems + eval_problems)

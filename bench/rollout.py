@@ -46,7 +46,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  
 
 from code_tool import CodeTool  # noqa: E402
 from protocol import TOOL_NAME, chat_format  # noqa: E402
-from rollout import rollout, rollout_stats  # noqa: E402
+from rollout import means, rollout, rollout_sums  # noqa: E402
 from sampler import HFSampler  # noqa: E402
 from sft import build_labels, collate, masked_lm_loss  # noqa: E402
 from tiny_model import build_tiny  # noqa: E402
@@ -165,7 +165,7 @@ def main():
             plain = time.perf_counter() - start
             rows.append(("plain twin of the next", sum(lengths), plain, plain, None, None))
             rows.append((f"agentic, overlap={overlap}", sum(lengths), wall, timed.seconds,
-                         rollout_stats(trajs), sum(lengths) / plain))
+                         means(rollout_sums(trajs, [0.0] * len(trajs))), sum(lengths) / plain))
         workers, sandbox = tool.workers, tool.sandbox
     mean_len = round(sum(r[1] for r in rows) / len(rows) / a.n)
     wall = equal_length_generate(model, tokenizer, prompts, mean_len)
@@ -177,8 +177,8 @@ def main():
     for name, sampled, wall, gen, stats, base in rows:
         line = f"{name:<30}{sampled:>8}{wall:>8.2f}{gen:>7.2f}{sampled / wall:>7.0f}"
         if stats is not None:
-            line += (f"{sampled / wall / base:>7.2f}{stats['rollout/turns']:>7.2f}{stats['rollout/tool_calls']:>7.2f}"
-                     f"{100 * stats['rollout/tool_error_ratio']:>7.1f}{100 * stats['rollout/truncated_ratio']:>8.1f}")
+            line += (f"{sampled / wall / base:>7.2f}{stats['turns_mean']:>7.2f}{stats['tool_calls_mean']:>7.2f}"
+                     f"{100 * stats['tool_error_rate']:>7.1f}{100 * stats['truncated_frac']:>8.1f}")
         print(line)
 
 

@@ -108,7 +108,7 @@ def test_bad_benchmark_line_names_file_and_line(tmp_path):
     with pytest.raises(ValueError, match=r"bad.jsonl:3: 'problem'"):
         ev.load_benchmark(str(bad), tmp_path / "cache")
     # The command line stops before loading any model, with the same message.
-    cfg = ev.EvalConfig(model_path="no/such/model", benchmarks=[str(bad)], out_dir=str(tmp_path / "out"))
+    cfg = ev.EvalConfig(model_path="no-such/model", benchmarks=[str(bad)], out_dir=str(tmp_path / "out"))
     with pytest.raises(SystemExit, match=r"input error: .*bad.jsonl:3"):
         ev.run(cfg)
 
@@ -193,6 +193,7 @@ def test_cli_run_with_scripted_sampler_writes_results_and_exactly_the_unsolved(t
     bench = tmp_path / "train_level2.jsonl"
     bench.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
     monkeypatch.setattr(ev, "load_model", lambda cfg: (ScriptedSampler(), TOK))
+    monkeypatch.setattr(ev, "check_model_path", lambda path: None)  # the scripted sampler needs no model
     cfg = load_config(ev.EvalConfig, [ev.__file__.replace("eval.py", "configs/tiny/eval.yaml")],
                       [f"benchmarks=[{bench}]", "samples=3", f"out_dir={tmp_path / 'out'}", "tool_workers=1",
                        f"unsolved_out={tmp_path / 'stage3.jsonl'}"])
@@ -264,3 +265,12 @@ def test_tiny_model_on_aime_writes_results_and_trajectories(tmp_path, data_dir, 
     ev.main(["show", str(out / "trajectories.jsonl"), "5"])
     shown = capsys.readouterr().out
     assert "=== trajectory 5 | aime24 problem 2 (id 2024-I-3) sample 1" in shown and gold[2]["problem"] in shown
+
+
+def test_missing_model_is_an_input_error_before_any_work(tmp_path):
+    import eval as ev
+    bench = tmp_path / "b.jsonl"
+    bench.write_text('{"problem": "Say 1.", "answer": "1"}\n')
+    with pytest.raises(SystemExit, match="model_path .* is not a model folder"):
+        ev.main(["configs/tiny/eval.yaml", f"model_path={tmp_path / 'nope'}", f"benchmarks=[{bench}]",
+                 f"out_dir={tmp_path / 'out'}"])

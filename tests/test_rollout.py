@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from protocol import IM_END, TOOL_NAME, chat_format, format_tool_call, parse_tool_call
-from rollout import PARSE_ERROR, Trajectory, rollout, rollout_stats
+from protocol import IM_END, TOOL_NAME, chat_format, format_tool_call, parse_tool_call, tool_response_turn
+from rollout import PARSE_ERROR, Trajectory, means, rollout, rollout_sums
 from sampler import Completion, HFSampler
 from tiny_model import build_tiny, build_tokenizer
 
@@ -202,8 +202,10 @@ def test_budget_that_cannot_hold_the_tool_response_appends_nothing():
     assert traj.end_reason == "length" and traj.loss_mask == [1] * turn_len  # no tool tokens appended
     assert traj.num_tool_calls == 1  # the call was made; its response did not fit
     # A budget that fits the tool text but not the answer: the answer turn is cut.
-    (traj,), _ = run({"P": [CALL_TURN, ANSWER_TURN]}, max_response_tokens=turn_len + 60)
-    assert traj.end_reason == "length" and len(traj.response_ids) == turn_len + 60 and traj.num_turns == 2
+    tool_len = len(TOK.encode(tool_response_turn("ok\nTOOL_SAYS_56211\n"), add_special_tokens=False))
+    budget = turn_len + tool_len + 3  # the answer turn needs more than 3 tokens
+    (traj,), _ = run({"P": [CALL_TURN, ANSWER_TURN]}, max_response_tokens=budget)
+    assert traj.end_reason == "length" and len(traj.response_ids) == budget and traj.num_turns == 2
 
 
 # ------------------------------------------------------------------------------------------------ batching
@@ -219,8 +221,8 @@ def test_batch_keeps_order_and_finished_rollouts_drop_out(overlap):
         assert sampler.batches == [2, 2, 1, 2, 2, 1]
     else:
         assert sampler.batches == [4, 3, 2, 1]
-    stats = rollout_stats(trajs)
-    assert stats["rollout/tool_calls"] == 6 / 4 and stats["rollout/turns"] == 10 / 4
+    stats = means(rollout_sums(trajs, [1.0, 0.0, 1.0, 0.0]))
+    assert stats["tool_calls_mean"] == 6 / 4 and stats["turns_mean"] == 10 / 4 and stats["reward_mean"] == 0.5
 
 
 def test_no_logprobs_from_the_sampler_gives_none():

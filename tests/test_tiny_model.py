@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from protocol import IM_END, SPECIAL_TOKENS, TOOL_NAME, chat_format, tool_response_turn
-from tiny_model import build_tiny, main
+from tiny_model import PHRASES, build_tiny, main
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def test_markers_and_characters_are_single_tokens(saved):
     ids = tok.encode(chars, add_special_tokens=False)
     assert len(ids) == len(chars) and tok.unk_token_id not in ids
     assert tok.eos_token == IM_END and tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
-    assert len(tok) == model.config.vocab_size == 2 + len(SPECIAL_TOKENS) + len(chars)
+    assert len(tok) == model.config.vocab_size == 2 + len(SPECIAL_TOKENS) + len(PHRASES) + len(chars)
     assert tok.encode("é", add_special_tokens=False) == [tok.unk_token_id]
     assert tok.encode("ab", add_special_tokens=True) == tok.encode("ab", add_special_tokens=False)  # no BOS added
 

@@ -137,7 +137,7 @@ def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkey
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["model_path=/nonexistent/model"], "model_path '/nonexistent/model' does not exist"),
+    (["model_path=/nonexistent/model"], "model_path '/nonexistent/model' is not a model folder"),
     (["data=[/nonexistent.jsonl]"], "nonexistent.jsonl: data file not found"),
     (["max_prompt_tokens=10"], "over max_prompt_tokens=10"),
     (["rollouts_per_prompt=3", "group_size=4"], "group_size <= rollouts_per_prompt"),

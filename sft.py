@@ -1,0 +1,294 @@
+"""Non-reasoning SFT: teach the chat and tool-call format before RL, with loss on the assistant's tokens only.
+
+Implements the first training stage of rStar2-Agent, its non-reasoning SFT (design doc
+/work/shared/design/rstar2-agent.md, sections 1 and 6): about 222K non-reasoning examples (function calling,
+code-as-tool-call, instruction following, chat), 3 epochs, lr 5e-6, 4% linear warm-up then cosine decay, batch 128
+sequences. The report gives no weight decay or clip value for SFT; this file uses the RL stage's grad clip (1.0).
+
+Data: JSONL conversations in the common `messages` format with tool calls (`data.load_conversations`); the tiny task
+writes its own (`tiny_task.py`). Each conversation is rendered by `protocol.ChatFormat.render_messages` into
+(text, trainable) segments: the prompt with `<|im_start|>assistant\\n<reason>`, each assistant turn (content, tool
+call, `<|im_end|>`), each tool-response turn with the re-opened assistant header. Each segment is tokenized on its
+own and the ids concatenated, so the boundaries are the ones a rollout has (it appends prompt, sampled turns and
+tool turns as separate id lists and never re-tokenizes). Labels are -100 on every non-trainable segment (system,
+user, tool responses, inserted headers) and on padding; `build_labels` is the one place that decides it.
+
+Loss normalisation: each micro-batch's loss is the mean next-token cross-entropy over its trained tokens;
+Accelerate divides it by the accumulation steps, so an optimizer step averages micro-batch means. A micro-batch with
+few trained tokens weighs each of them more than a long one does (the usual HF Trainer behaviour). The RL loss
+(`grpo_roc.policy_loss`) normalises by the token count of the whole step instead; for SFT on conversations of
+similar size the difference is small, and the per-micro-batch mean needs no count up front.
+
+Global batch (sequences per optimizer step) = micro_batch_size * grad_accum * world_size; grad_accum is derived
+from batch_size and it is an error if it does not divide. Data-parallel: each rank reads its share through the
+prepared DataLoader. Left out: sequence packing, evaluation during training, checkpoint/resume (marked below).
+
+Run:  python sft.py configs/tiny/sft.yaml [key=value ...]
+      accelerate launch --num_processes 8 sft.py my_sft.yaml      (data-parallel)
+Outputs in out_dir: config.yaml (resolved), metrics.jsonl (one line per logged step), model/ (model + tokenizer).
+"""
+import functools
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator, PartialState
+from accelerate.utils import set_seed
+from tqdm import tqdm
+
+from config import config_dict, format_config, parse_cli, save_config
+from data import load_conversations
+from protocol import DEFAULT_USER_INSTRUCTION, chat_format
+
+IGNORE = -100  # label of a token that is not trained (PyTorch cross_entropy's ignore_index)
+
+
+@dataclass
+class SFTConfig:
+    model_path: str = ""  # base model directory (save_pretrained layout)
+    data: str = ""  # JSONL of {"messages": [...]} conversations
+    out_dir: str = "runs/sft"  # config.yaml, metrics.jsonl and model/ go here
+    epochs: int = 3  # report: 3
+    lr: float = 5e-6  # report: 5e-6 (peak, after warm-up)
+    warmup_ratio: float = 0.04  # report: 4% of steps, linear from 0
+    batch_size: int = 128  # report: 128 sequences per optimizer step (global, all ranks)
+    micro_batch_size: int = 4  # sequences per forward pass per rank
+    max_seq_len: int = 8192  # longer conversations are skipped (and counted)
+    group_by_length: bool = True  # micro-batches of similar length (less padding); False: plain shuffle
+    weight_decay: float = 0.0  # AdamW; report: not stated
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0  # max global grad norm; report gives 1.0 for RL, nothing for SFT
+    seed: int = 0
+    system_prompt: str = "default"  # preset name ("default", "compact") or the text itself
+    user_instruction: str = DEFAULT_USER_INSTRUCTION  # appended to each problem ("" for none)
+    mixed_precision: str = "no"  # "no" or "bf16" (Accelerate autocast)
+    log_every: int = 10  # optimizer steps between log lines
+    report_to: str | None = None  # None, "tensorboard" or "wandb"
+    max_steps: int | None = None  # stop after this many optimizer steps (tests, smoke runs)
+
+
+# ----------------------------------------------------------------------------------- data (pure)
+def build_labels(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """Token ids of a rendered conversation and its labels: each (text, trainable) segment is tokenized on its own
+    (no special tokens added) and concatenated; labels equal the ids on trainable segments (assistant content, tool
+    call, <|im_end|>) and are IGNORE (-100) on all others (system, user, tool responses, inserted headers)."""
+    ids, labels = [], []
+    for text, trainable in segments:
+        seg = tokenizer.encode(text, add_special_tokens=False)
+        ids += seg
+        labels += seg if trainable else [IGNORE] * len(seg)
+    return ids, labels
+
+
+def build_examples(tokenizer, conversations, chat, max_seq_len: int) -> tuple[list[tuple[list, list]], int]:
+    """(ids, labels) for each conversation no longer than max_seq_len tokens, and the number skipped."""
+    examples, skipped = [], 0
+    for messages in conversations:
+        ids, labels = build_labels(tokenizer, chat.render_messages(messages))
+        if len(ids) > max_seq_len:
+            skipped += 1
+        else:
+            examples.append((ids, labels))
+    return examples, skipped
+
+
+def collate(batch: list[tuple[list, list]], pad_id: int) -> dict:
+    """Right-pad a list of (ids, labels) to input_ids, labels, attention_mask, each (B, T); padding is not trained."""
+    T = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), T), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(batch), T), dtype=torch.long)
+    for b, (ids, lab) in enumerate(batch):
+        input_ids[b, :len(ids)] = torch.tensor(ids)
+        labels[b, :len(lab)] = torch.tensor(lab)
+        mask[b, :len(ids)] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+
+
+class LengthGroupedBatches:
+    """Micro-batches of similar length, so less compute goes to padding (the idea of HF's group_by_length).
+    Each epoch: shuffle all indices, cut them into windows of `window` micro-batches, sort each window by length,
+    cut it into micro-batches, and shuffle the order of all micro-batches. Deterministic for a seed; a new order
+    every epoch. A micro-batch then tends to hold one kind of trace; the optimizer step mixes several."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, window: int = 32):
+        self.lengths, self.batch_size, self.seed, self.window, self.epoch = lengths, batch_size, seed, window, 0
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.lengths) / self.batch_size)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        self.epoch += 1
+        order, span, batches = torch.randperm(len(self.lengths), generator=g).tolist(), self.batch_size * self.window, []
+        for start in range(0, len(order), span):
+            chunk = sorted(order[start:start + span], key=lambda i: self.lengths[i])
+            batches += [chunk[j:j + self.batch_size] for j in range(0, len(chunk), self.batch_size)]
+        for k in torch.randperm(len(batches), generator=g).tolist():
+            yield batches[k]
+
+
+# ----------------------------------------------------------------------------------- loss and schedule (pure)
+def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over trained tokens. logits (B, T, V), labels (B, T) with IGNORE where untrained.
+    Position t's logits predict the token at t+1."""
+    logits, targets = logits[:, :-1].float(), labels[:, 1:]
+    # loss = sum over trained (b, t) of -log p(x[b, t+1] | x[b, :t+1]) / number of trained tokens
+    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                            reduction="sum")
+    return total / (targets != IGNORE).sum().clamp(min=1)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Multiplier of the peak lr before optimizer step `step` (0-based): linear warm-up from 1/warmup to 1 over
+    `warmup_steps`, then cosine decay 0.5 * (1 + cos(pi * progress)) from 1 to 0 at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ----------------------------------------------------------------------------------- plumbing (ranks live here)
+def make_accelerator(cfg: SFTConfig) -> tuple[Accelerator, int]:
+    """The Accelerator and grad_accum so that micro_batch_size * grad_accum * world_size == batch_size."""
+    world = PartialState().num_processes
+    per_step = cfg.micro_batch_size * world
+    if cfg.batch_size % per_step:
+        raise SystemExit(f"sft: batch_size={cfg.batch_size} is not a multiple of micro_batch_size * world_size "
+                         f"= {cfg.micro_batch_size} * {world}")
+    grad_accum = cfg.batch_size // per_step
+    acc = Accelerator(gradient_accumulation_steps=grad_accum, mixed_precision=cfg.mixed_precision,
+                      log_with=cfg.report_to if cfg.report_to else None, project_dir=cfg.out_dir)
+    if cfg.report_to:
+        acc.init_trackers("sft", config=config_dict(cfg))
+    return acc, grad_accum
+
+
+def log_step(acc: Accelerator, metrics_path: Path, row: dict, bar) -> None:
+    """Write one metrics line (main process only), send it to the tracker, and print one readable line."""
+    if acc.is_main_process:
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        bar.write(f"step {row['step']:>5} | epoch {row['sft/epoch']:.2f} | loss {row['sft/loss']:.4f} | "
+                  f"lr {row['sft/lr']:.2e} | {row['perf/tokens_per_s']:,.0f} tok/s")
+    if acc.log_with:
+        acc.log(row, step=row["step"])
+
+
+def save_model(acc: Accelerator, model, tokenizer, out: Path) -> None:
+    """save_pretrained of the unwrapped model and the tokenizer, once, after every rank has finished."""
+    acc.wait_for_everyone()
+    acc.unwrap_model(model).save_pretrained(out, is_main_process=acc.is_main_process, save_function=acc.save)
+    if acc.is_main_process:
+        tokenizer.save_pretrained(out)
+
+
+# ----------------------------------------------------------------------------------- main
+def check_inputs(cfg: SFTConfig):
+    """Stop with a clear message before any work: missing model or data, a bad conversation (file and line)."""
+    if not cfg.model_path or not (Path(cfg.model_path) / "config.json").is_file():
+        raise SystemExit(f"sft: model_path {cfg.model_path!r} is not a model directory (no config.json)")
+    if not cfg.data or not Path(cfg.data).is_file():
+        raise SystemExit(f"sft: data file not found: {cfg.data!r}")
+    if cfg.mixed_precision not in ("no", "bf16"):
+        raise SystemExit(f"sft: mixed_precision must be 'no' or 'bf16', got {cfg.mixed_precision!r}")
+    chat = chat_format(cfg.system_prompt, cfg.user_instruction)
+    try:
+        return chat, load_conversations(cfg.data, chat)
+    except ValueError as e:
+        raise SystemExit(f"sft: bad data: {e}") from None
+
+
+def train(cfg: SFTConfig) -> Path:
+    """Run SFT as configured; returns the directory of the saved model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    chat, conversations = check_inputs(cfg)
+    acc, grad_accum = make_accelerator(cfg)
+    acc.print(format_config(cfg))
+    set_seed(cfg.seed)
+    out = Path(cfg.out_dir)
+    metrics_path = out / "metrics.jsonl"
+    if acc.is_main_process:
+        save_config(cfg, out / "config.yaml")
+        metrics_path.write_text("")
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_path)
+    examples, skipped = build_examples(tokenizer, conversations, chat, cfg.max_seq_len)
+    acc.print(f"sft: {len(examples)} conversations, {skipped} skipped (longer than max_seq_len={cfg.max_seq_len})")
+    if not examples:
+        raise SystemExit("sft: every conversation is longer than max_seq_len")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    collate_fn = functools.partial(collate, pad_id=pad_id)
+    if cfg.group_by_length:
+        batches = LengthGroupedBatches([len(ids) for ids, _ in examples], cfg.micro_batch_size, cfg.seed)
+        loader = torch.utils.data.DataLoader(examples, batch_sampler=batches, collate_fn=collate_fn)
+    else:
+        loader = torch.utils.data.DataLoader(examples, batch_size=cfg.micro_batch_size, shuffle=True,
+                                             collate_fn=collate_fn, generator=torch.Generator().manual_seed(cfg.seed))
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]  # no weight decay on norms and biases
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": rest, "weight_decay": 0.0}],
+                                  lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+    # optimizer steps: per rank, ceil(batches / grad_accum) per epoch (the last one of an epoch may be partial)
+    steps_per_epoch = math.ceil(math.ceil(len(loader) / acc.num_processes) / grad_accum)
+    total_steps = cfg.epochs * steps_per_epoch if cfg.max_steps is None else min(cfg.max_steps,
+                                                                                 cfg.epochs * steps_per_epoch)
+    warmup_steps = max(1, round(cfg.warmup_ratio * total_steps))
+    # Accelerate steps a prepared scheduler num_processes times per optimizer step, so the schedule is in those units.
+    P = acc.num_processes
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s // P, warmup_steps, total_steps))
+    model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
+    acc.print(f"sft: {total_steps} optimizer steps ({steps_per_epoch}/epoch), batch {cfg.batch_size} = "
+              f"{cfg.micro_batch_size} x {grad_accum} accumulation x {P} ranks, warm-up {warmup_steps} steps")
+
+    step, losses, tokens, t0 = 0, [], 0, time.perf_counter()
+    bar = tqdm(total=total_steps, desc="sft", disable=not acc.is_local_main_process, file=sys.stdout)
+    model.train()
+    for epoch in range(cfg.epochs):
+        for batch in loader:
+            with acc.accumulate(model):
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                loss = masked_lm_loss(logits, batch["labels"])
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            losses.append(loss.detach())
+            tokens += int(batch["attention_mask"].sum())
+            if not acc.sync_gradients:
+                continue
+            step += 1
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == total_steps:
+                # ---- log: loss averaged over this interval's micro-batches and over ranks
+                mean_loss = acc.reduce(torch.stack(losses).mean(), reduction="mean").item()
+                all_tokens = acc.reduce(torch.tensor(tokens, device=acc.device), reduction="sum").item()
+                row = {"step": step, "sft/loss": mean_loss, "sft/lr": scheduler.get_last_lr()[0],
+                       "sft/epoch": step / steps_per_epoch,
+                       "perf/tokens_per_s": all_tokens / (time.perf_counter() - t0)}
+                log_step(acc, metrics_path, row, bar)
+                losses, tokens, t0 = [], 0, time.perf_counter()
+            # (checkpoint/resume is a later issue: save model, optimizer, scheduler and `step` here every N steps)
+            if step >= total_steps:
+                break
+        if step >= total_steps:
+            break
+    bar.close()
+    save_model(acc, model, tokenizer, out / "model")
+    acc.print(f"sft: saved {out / 'model'}")
+    acc.end_training()
+    return out / "model"
+
+
+if __name__ == "__main__":
+    train(parse_cli(SFTConfig))

@@ -1,0 +1,80 @@
+"""data.py: JSONL readers accept good rows and name the file and line of a bad one."""
+import json
+
+import pytest
+
+from data import load_conversations, load_problems, write_jsonl
+from protocol import TOOL_NAME
+
+GOOD_CONVERSATION = [
+    {"role": "user", "content": "Compute 12*34."},
+    {"role": "assistant", "content": "Use Python.</reason>\n",
+     "tool_calls": [{"type": "function", "function": {"name": TOOL_NAME, "arguments": {"code": "print(12*34)"}}}]},
+    {"role": "tool", "content": "408"},
+    {"role": "assistant", "content": "</reason>\n<answer>\\boxed{408}</answer>"},
+]
+
+
+def _write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_write_then_load_problems_round_trips_and_keeps_extra_fields(tmp_path):
+    rows = [{"problem": "Compute 1+1.", "answer": "2", "level": 1}, {"problem": "Cafe é?", "answer": "\\frac{1}{2}"}]
+    path = write_jsonl(tmp_path / "sub" / "p.jsonl", rows)
+    assert load_problems(path) == rows
+    assert path.read_text(encoding="utf-8").count("\n") == 2
+
+
+def test_load_problems_turns_integer_answer_into_string_and_skips_blank_lines(tmp_path):
+    path = _write_lines(tmp_path / "p.jsonl", ['{"problem": "x", "answer": 25}', "", '{"problem": "y", "answer": "3"}'])
+    assert [r["answer"] for r in load_problems(path)] == ["25", "3"]
+
+
+@pytest.mark.parametrize("bad_line, message", [
+    ("{not json", "not valid JSON"),
+    ('["a list"]', "expected a JSON object"),
+    ('{"answer": "3"}', "'problem' must be a non-empty string"),
+    ('{"problem": "x"}', "'answer' must be a non-empty string"),
+    ('{"problem": "  ", "answer": "3"}', "'problem' must be a non-empty string"),
+    ('{"problem": "x", "answer": ""}', "'answer' must be a non-empty string"),
+    ('{"problem": "x", "answer": true}', "'answer' must be a non-empty string"),
+])
+def test_load_problems_names_file_and_line_of_a_bad_row(tmp_path, bad_line, message):
+    path = _write_lines(tmp_path / "p.jsonl", ['{"problem": "ok", "answer": "1"}', "", bad_line])
+    with pytest.raises(ValueError) as e:
+        load_problems(path)
+    assert f"{path}:3:" in str(e.value) and message in str(e.value)
+
+
+def test_missing_and_empty_files_are_errors(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        load_problems(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="no problems"):
+        load_problems(tmp_path / "empty.jsonl")
+    with pytest.raises(ValueError, match="no conversations"):
+        load_conversations(tmp_path / "empty.jsonl")
+
+
+def test_load_conversations_accepts_a_tool_conversation(tmp_path):
+    path = _write_lines(tmp_path / "c.jsonl", [json.dumps({"messages": GOOD_CONVERSATION, "kind": "tool"})])
+    assert load_conversations(path) == [GOOD_CONVERSATION]
+
+
+@pytest.mark.parametrize("messages, message", [
+    ("not a list", "expected 'messages'"),
+    (GOOD_CONVERSATION[:3], "must end with an assistant answer"),
+    ([GOOD_CONVERSATION[1]] + GOOD_CONVERSATION, "expected a user message"),
+    ([GOOD_CONVERSATION[0], {"role": "tool", "content": "1"}], "expected role 'assistant'"),
+    (GOOD_CONVERSATION[:1] + [{**GOOD_CONVERSATION[1], "tool_calls": [{"function": {"name": "rm", "arguments": {}}}]}]
+     + GOOD_CONVERSATION[2:], "tool call must name"),
+    ([GOOD_CONVERSATION[0], {"role": "assistant", "content": 3}], "'content' must be a string"),
+])
+def test_load_conversations_names_line_of_a_bad_conversation(tmp_path, messages, message):
+    lines = [json.dumps({"messages": GOOD_CONVERSATION}), json.dumps({"messages": messages})]
+    path = _write_lines(tmp_path / "c.jsonl", lines)
+    with pytest.raises(ValueError) as e:
+        load_conversations(path)
+    assert f"{path}:2:" in str(e.value) and message in str(e.value)

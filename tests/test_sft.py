@@ -1,0 +1,185 @@
+"""sft.py: the loss mask, the loss and schedule on hand-computed values, a short real run that learns, bad input."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from config import load_config
+from protocol import IM_END, TOOL_NAME, chat_format, format_tool_call
+from sft import IGNORE, LengthGroupedBatches, SFTConfig, build_examples, build_labels, collate, lr_factor, masked_lm_loss, train
+from tiny_model import build_tiny, build_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+CALL = {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"code": "print(12*34)", "input": ""}}}
+CONVERSATION = [
+    {"role": "user", "content": "Compute 12*34."},
+    {"role": "assistant", "content": "Use Python.</reason>\n", "tool_calls": [CALL]},
+    {"role": "tool", "content": "408"},
+    {"role": "assistant", "content": "</reason>\n<answer>\\boxed{408}</answer>"},
+]
+
+
+def _spans(ids, labels, trained: bool):
+    """Contiguous runs of token ids whose label is (trained=True) or is not (False) IGNORE."""
+    runs, current = [], []
+    for i, lab in zip(ids, labels):
+        if (lab != IGNORE) == trained:
+            current.append(i)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+def test_labels_train_exactly_the_assistant_turns():
+    tok = build_tokenizer()
+    chat = chat_format("compact", "")
+    ids, labels = build_labels(tok, chat.render_messages(CONVERSATION))
+    assert len(ids) == len(labels)
+    assert all(lab == IGNORE or lab == i for i, lab in zip(ids, labels))
+    # Trained: each assistant turn's text, its tool call and its <|im_end|>, and nothing else.
+    trained = [tok.decode(run) for run in _spans(ids, labels, trained=True)]
+    assert trained == ["Use Python.</reason>\n" + format_tool_call("print(12*34)") + IM_END,
+                       "</reason>\n<answer>\\boxed{408}</answer>" + IM_END]
+    # Untrained: the prompt up to the generation prefix, the tool turn with the re-opened header, the final newline.
+    untrained = [tok.decode(run) for run in _spans(ids, labels, trained=False)]
+    assert untrained[0] == chat.prompt("Compute 12*34.")
+    assert untrained[1] == "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n" \
+                           "<|im_start|>assistant\n<reason>"
+    assert untrained[2] == "\n"
+    # Each trained turn starts right after the <reason> opener that the environment wrote.
+    reason = tok.convert_tokens_to_ids("<reason>")
+    starts = [k for k in range(1, len(ids)) if labels[k] != IGNORE and labels[k - 1] == IGNORE]
+    assert len(starts) == 2 and all(ids[k - 1] == reason for k in starts)
+
+
+def test_build_examples_skips_and_counts_long_conversations():
+    tok, chat = build_tokenizer(), chat_format("compact", "")
+    n_tokens = len(build_labels(tok, chat.render_messages(CONVERSATION))[0])
+    long = [CONVERSATION[0] | {"content": "Compute " + "9" * 400 + "."}] + CONVERSATION[1:]
+    examples, skipped = build_examples(tok, [CONVERSATION, long, CONVERSATION], chat, max_seq_len=n_tokens)
+    assert skipped == 1 and len(examples) == 2 and len(examples[0][0]) == n_tokens
+
+
+def test_collate_pads_right_and_never_trains_padding():
+    batch = collate([([5, 6, 7], [IGNORE, 6, 7]), ([8], [8])], pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["labels"].tolist() == [[IGNORE, 6, 7], [8, IGNORE, IGNORE]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_length_grouped_batches_cover_every_example_once_with_less_padding():
+    lengths = [(i * 7919) % 600 + 1 for i in range(203)]
+    sampler = LengthGroupedBatches(lengths, batch_size=8, seed=0, window=5)
+    epochs = [list(sampler) for _ in range(2)]
+    for batches in epochs:
+        assert len(batches) == len(sampler) == 26
+        assert sorted(i for b in batches for i in b) == list(range(203))
+    assert epochs[0] != epochs[1]  # a new order each epoch ...
+    assert list(LengthGroupedBatches(lengths, 8, seed=0, window=5)) == epochs[0]  # ... and seeded
+
+    def padded(batches):
+        return sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    plain = [list(range(k, min(k + 8, 203))) for k in range(0, 203, 8)]  # lengths here are in pseudo-random order
+    assert padded(epochs[0]) < 0.8 * padded(plain)
+
+
+def test_masked_lm_loss_shifts_and_averages_over_trained_tokens():
+    logits = torch.zeros(1, 3, 4)          # (B, T, V)
+    logits[0, 0] = torch.tensor([0.0, 0.0, 2.0, 0.0])
+    labels = torch.tensor([[IGNORE, 2, 1]])
+    # token 1 (label 2) is predicted from position 0; token 2 (label 1) from position 1 (uniform): mean of the two
+    expected = (-math.log(math.exp(2) / (3 + math.exp(2))) + math.log(4)) / 2
+    assert masked_lm_loss(logits, labels).item() == pytest.approx(expected, rel=1e-6)
+    assert masked_lm_loss(logits, torch.tensor([[IGNORE, 2, IGNORE]])).item() == pytest.approx(
+        -math.log(math.exp(2) / (3 + math.exp(2))), rel=1e-6)
+
+
+def test_lr_factor_warms_up_linearly_then_decays_by_cosine():
+    values = [lr_factor(s, warmup_steps=2, total_steps=10) for s in range(11)]
+    assert values[0] == pytest.approx(0.5) and values[1] == pytest.approx(1.0) and values[2] == pytest.approx(1.0)
+    assert values[6] == pytest.approx(0.5) and values[10] == pytest.approx(0.0)
+    assert all(a >= b for a, b in zip(values[1:], values[2:]))
+
+
+# ----------------------------------------------------------------------------------- end to end and bad input
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A small model and a handful of tool conversations on disk."""
+    root = tmp_path_factory.mktemp("sft")
+    base = build_tiny(root / "base", hidden=32, layers=2, heads=2, max_positions=512)
+    rows = []
+    for a in range(12, 28):
+        convo = [dict(m) for m in CONVERSATION]
+        convo[0]["content"] = f"Compute {a}*34."
+        convo[1] = {**CONVERSATION[1], "tool_calls": [{"function": {"name": TOOL_NAME,
+                                                                    "arguments": {"code": f"print({a}*34)"}}}]}
+        convo[2] = {"role": "tool", "content": str(a * 34)}
+        convo[3] = {"role": "assistant", "content": f"</reason>\n<answer>\\boxed{{{a * 34}}}</answer>"}
+        rows.append(json.dumps({"messages": convo}))
+    data = root / "sft.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    return root, base, data
+
+
+def _data_loss(model_dir, data):
+    """Mean masked loss of a saved model over the conversations in `data` (one batch)."""
+    from data import load_conversations
+    tok, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
+    chat = chat_format("compact", "")
+    examples, _ = build_examples(tok, load_conversations(data), chat, 10_000)
+    batch = collate(examples, tok.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return masked_lm_loss(logits, batch["labels"]).item(), model
+
+
+def test_short_sft_run_changes_weights_and_lowers_the_training_loss(tiny):
+    root, base, data = tiny
+    out = root / "run"
+    cmd = [sys.executable, "sft.py", f"model_path={base}", f"data={data}", f"out_dir={out}", "epochs=20",
+           "max_steps=12", "lr=3e-3", "batch_size=8", "micro_batch_size=4", "log_every=3", "system_prompt=compact",
+           "user_instruction="]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "16 conversations, 0 skipped" in result.stdout
+    before, base_model = _data_loss(base, data)
+    after, sft_model = _data_loss(out / "model", data)
+    assert after < before - 0.5
+    base_params, sft_params = dict(base_model.named_parameters()), dict(sft_model.named_parameters())
+    assert all(not torch.equal(base_params[n], p) for n, p in sft_params.items() if "norm" not in n)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [3, 6, 9, 12]
+    assert set(rows[0]) == {"step", "sft/loss", "sft/lr", "sft/epoch", "perf/tokens_per_s"}
+    assert rows[-1]["sft/loss"] < rows[0]["sft/loss"] and rows[1]["sft/epoch"] == pytest.approx(3.0)
+    assert load_config(SFTConfig, [out / "config.yaml"]).lr == 3e-3
+
+
+def test_bad_input_stops_before_any_work(tiny, tmp_path):
+    root, base, data = tiny
+    ok = {"model_path": str(base), "data": str(data), "out_dir": str(tmp_path / "out")}
+    with pytest.raises(SystemExit, match="data file not found"):
+        train(SFTConfig(**{**ok, "data": str(tmp_path / "missing.jsonl")}))
+    with pytest.raises(SystemExit, match="not a model directory"):
+        train(SFTConfig(**{**ok, "model_path": str(tmp_path)}))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(data.read_text().splitlines()[0] + "\n" + '{"messages": [{"role": "user"}]}\n')
+    with pytest.raises(SystemExit, match=f"{bad}:2: message 0: 'content' must be a string"):
+        train(SFTConfig(**{**ok, "data": str(bad)}))
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_key_and_indivisible_batch_are_errors(tiny, tmp_path):
+    root, base, data = tiny
+    result = subprocess.run([sys.executable, "sft.py", "configs/tiny/sft.yaml", "learning_rate=1"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "unknown config key 'learning_rate'" in result.stderr
+    cfg = SFTConfig(model_path=str(base), data=str(data), out_dir=str(tmp_path / "o"), batch_size=6,
+                    micro_batch_size=4)
+    with pytest.raises(SystemExit, match="batch_size=6 is not a multiple"):
+        train(cfg)
