@@ -42,7 +42,7 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from config import config_dict, format_config, parse_cli, save_config
-from data import load_conversations
+from data import check_model_path, load_conversations
 from protocol import DEFAULT_USER_INSTRUCTION, chat_format
 
 IGNORE = -100  # label of a token that is not trained (PyTorch cross_entropy's ignore_index)
@@ -50,7 +50,7 @@ IGNORE = -100  # label of a token that is not trained (PyTorch cross_entropy's i
 
 @dataclass
 class SFTConfig:
-    model_path: str = ""  # base model directory (save_pretrained layout)
+    model_path: str = ""  # base model: a save_pretrained folder (or a hub id, e.g. Qwen/Qwen3-14B-Base)
     data: str = ""  # JSONL of {"messages": [...]} conversations
     out_dir: str = "runs/sft"  # config.yaml, metrics.jsonl and model/ go here
     epochs: int = 3  # report: 3
@@ -157,13 +157,15 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 # ----------------------------------------------------------------------------------- plumbing (ranks live here)
 def make_accelerator(cfg: SFTConfig) -> tuple[Accelerator, int]:
     """The Accelerator and grad_accum so that micro_batch_size * grad_accum * world_size == batch_size."""
-    world = PartialState().num_processes
+    # cpu=True without a GPU: the only way Accelerate sets up gloo across CPU processes (torchrun, accelerate launch)
+    cpu = not torch.cuda.is_available()
+    world = PartialState(cpu=cpu).num_processes
     per_step = cfg.micro_batch_size * world
     if cfg.batch_size % per_step:
         raise SystemExit(f"sft: batch_size={cfg.batch_size} is not a multiple of micro_batch_size * world_size "
                          f"= {cfg.micro_batch_size} * {world}")
     grad_accum = cfg.batch_size // per_step
-    acc = Accelerator(gradient_accumulation_steps=grad_accum, mixed_precision=cfg.mixed_precision,
+    acc = Accelerator(cpu=cpu, gradient_accumulation_steps=grad_accum, mixed_precision=cfg.mixed_precision,
                       log_with=cfg.report_to if cfg.report_to else None, project_dir=cfg.out_dir)
     if cfg.report_to:
         acc.init_trackers("sft", config=config_dict(cfg))
@@ -192,8 +194,10 @@ def save_model(acc: Accelerator, model, tokenizer, out: Path) -> None:
 # ----------------------------------------------------------------------------------- main
 def check_inputs(cfg: SFTConfig):
     """Stop with a clear message before any work: missing model or data, a bad conversation (file and line)."""
-    if not cfg.model_path or not (Path(cfg.model_path) / "config.json").is_file():
-        raise SystemExit(f"sft: model_path {cfg.model_path!r} is not a model directory (no config.json)")
+    try:
+        check_model_path(cfg.model_path)
+    except ValueError as e:
+        raise SystemExit(f"sft: {e}") from None
     if not cfg.data or not Path(cfg.data).is_file():
         raise SystemExit(f"sft: data file not found: {cfg.data!r}")
     if cfg.mixed_precision not in ("no", "bf16"):

@@ -24,10 +24,10 @@ STAGES = ["sft", "stage1", "stage2", "stage3"]
 # --quick: overrides that make every entry point take a few steps (CI); the plumbing is the same.
 QUICK = {
     "task": ["--n-train", "64", "--n-test", "8", "--n-sft", "96"],
-    "sft": ["max_steps=4"],
+    "sft": ["max_steps=4", "log_every=1"],
     "train": ["steps=2", "prompts_per_step=2", "rollouts_per_prompt=4", "group_size=2", "eval_every=0", "eval_limit=4",
               "save_every=1"],
-    "eval": ["limit=6", "samples=2"],
+    "eval": ["limit=4", "samples=2"],
 }
 
 

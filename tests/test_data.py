@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from data import load_conversations, load_problems, write_jsonl
+from data import check_model_path, load_conversations, load_problems, write_jsonl
 from protocol import TOOL_NAME
 
 GOOD_CONVERSATION = [
@@ -78,3 +78,13 @@ def test_load_conversations_names_line_of_a_bad_conversation(tmp_path, messages,
     with pytest.raises(ValueError) as e:
         load_conversations(path)
     assert f"{path}:2:" in str(e.value) and message in str(e.value)
+
+
+def test_check_model_path_accepts_a_model_folder_or_hub_id_only(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    check_model_path(str(tmp_path / "model"))
+    check_model_path("Qwen/Qwen3-14B-Base")  # a hub id is left to transformers
+    for bad in [str(tmp_path), str(tmp_path / "missing"), "", "runs/tiny/base/", "./model", "name"]:
+        with pytest.raises(ValueError, match="not a model folder"):
+            check_model_path(bad)

@@ -165,7 +165,7 @@ def test_bad_input_stops_before_any_work(tiny, tmp_path):
     ok = {"model_path": str(base), "data": str(data), "out_dir": str(tmp_path / "out")}
     with pytest.raises(SystemExit, match="data file not found"):
         train(SFTConfig(**{**ok, "data": str(tmp_path / "missing.jsonl")}))
-    with pytest.raises(SystemExit, match="not a model directory"):
+    with pytest.raises(SystemExit, match="not a model folder"):
         train(SFTConfig(**{**ok, "model_path": str(tmp_path)}))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(data.read_text().splitlines()[0] + "\n" + '{"messages": [{"role": "user"}]}\n')
