@@ -8,7 +8,7 @@ cannot multiply a 3-digit by a 2-digit number in its head, but it can learn to c
 Problems (answers are integers, written as strings):
 - level 1 (short code): "Compute 347*89." and "Compute 512+347*89.";
 - level 2 (longer code, more room for bugs; the later RL stages): "Compute 3471*8923 mod 97.",
-  "Digit sum of 37**12." and "Count n in 1..500 with n%7==3." (needs `range(1,501)`, an off-by-one trap).
+  "Digit sum of 37**12." and "Count n in 1..500 with n%7==3." (needs `range(1,500+1)`, an off-by-one trap).
 
 Splits, all drawn from one seeded generator and disjoint in problem text (each text is drawn once overall):
 - test.jsonl: `n_test` problems of each level (default 100 + 100), drawn first, so the held-out set does not
@@ -24,8 +24,9 @@ reasoning traces). Each conversation is one of three traces, in configurable fra
 - "fix": a first call with a realistic bug (unclosed parenthesis, misspelt name, `=` for `==`, a wrong type),
   the real error text, a fixed call, then the answer.
 Tool responses are produced by running every call through the real `CodeTool`, so SFT shows exactly the text a
-rollout would see, errors included. The thinking text is a few fixed words per trace kind: the choice between
-answering directly and calling the tool is made on the first tokens after `<reason>`, which is what RL can move.
+rollout would see, errors included. The thinking text is a few words: the decision ("Guess", "Tool", "Fix") on the
+first token after `<reason>`, which is what RL can move, then the problem's numbers restated, which keeps every copy
+the model must learn (problem -> thinking -> code, tool output -> answer) within a few tokens.
 
 Left out: natural-language word problems, multi-call problems beyond one fix, and any answer that is not an
 integer. Run `python tiny_task.py runs/tiny/data [--seed 0 --n-train 2000 --n-test 100 --n-sft 2000]`.
@@ -38,10 +39,14 @@ from code_tool import CodeTool
 from data import write_jsonl
 from protocol import TOOL_NAME
 
-# Few words of thinking per trace kind (every character is a token for the tiny model).
-THINK_DIRECT = "Guess."
-THINK_TOOL = "Tool."
-THINK_FIX = "Fix."
+# Few words of thinking per trace kind (every character is a token for the tiny model): the decision word first, then
+# the problem's numbers restated ({note}, e.g. "347*89"). The restatement sits a few tokens after the problem, and the
+# code a few tokens after the restatement, so every copy is short-range: a 1M-parameter model from scratch learns
+# short-range copying far sooner than copying across the whole prompt (docs/LOG.md).
+THINK_DIRECT = "Guess: {note}."
+THINK_TOOL = "Tool: {note}."
+THINK_FIX = "Fix: {note}."
+DEFAULT_MIX = {"direct": 0.3, "tool": 0.5, "fix": 0.2}  # SFT trace-kind fractions
 # Tool settings used to render SFT tool responses; the tiny RL configs should run the tool with the same output cap
 # so the SFT text and rollout text agree.
 TOOL_TIMEOUT_S = 4.0
@@ -49,25 +54,26 @@ TOOL_MAX_OUTPUT_CHARS = 1000
 
 
 # ------------------------------------------------------------------------------------------ problem kinds
-# Each kind draws numbers from `rng` and returns (problem text, integer answer, correct code).
+# Each kind draws numbers from `rng` and returns (problem text, integer answer, correct code, note for the thinking).
 def _mul(rng):
     a, b = rng.randint(100, 999), rng.randint(10, 99)
-    return f"Compute {a}*{b}.", a * b, f"print({a}*{b})"
+    return f"Compute {a}*{b}.", a * b, f"print({a}*{b})", f"{a}*{b}"
 
 
 def _mul_add(rng):
     a, b, c = rng.randint(100, 999), rng.randint(10, 99), rng.randint(100, 999)
-    return f"Compute {c}+{a}*{b}.", c + a * b, f"print({c}+{a}*{b})"
+    return f"Compute {c}+{a}*{b}.", c + a * b, f"print({c}+{a}*{b})", f"{c}+{a}*{b}"
 
 
 def _mul_mod(rng):
     a, b, m = rng.randint(1000, 9999), rng.randint(1000, 9999), rng.randint(11, 99)
-    return f"Compute {a}*{b} mod {m}.", a * b % m, f"print({a}*{b}%{m})"
+    return f"Compute {a}*{b} mod {m}.", a * b % m, f"print({a}*{b}%{m})", f"{a}*{b}%{m}"
 
 
 def _digit_sum(rng):
     a, k = rng.randint(11, 99), rng.randint(6, 15)
-    return f"Digit sum of {a}**{k}.", sum(map(int, str(a ** k))), f"print(sum(map(int,str({a}**{k}))))"
+    return (f"Digit sum of {a}**{k}.", sum(map(int, str(a ** k))), f"print(sum(map(int,str({a}**{k}))))",
+            f"digits of {a}**{k}")
 
 
 def _count_mod(rng):
@@ -75,19 +81,19 @@ def _count_mod(rng):
     r = rng.randint(0, m - 1)
     answer = sum(1 for i in range(1, n + 1) if i % m == r)
     return (f"Count n in 1..{n} with n%{m}=={r}.", answer,
-            f"print(sum(n%{m}=={r} for n in range(1,{n + 1})))")
+            f"print(sum(n%{m}=={r} for n in range(1,{n}+1)))", f"n%{m}=={r} up to {n}")
 
 
 LEVELS = {1: [_mul, _mul_add], 2: [_mul_mod, _digit_sum, _count_mod]}
 
 
 def draw_problem(rng, level: int, seen: set) -> dict:
-    """One problem of `level` whose text is not in `seen` (added to it): {problem, answer, level, code}."""
+    """One problem of `level` whose text is not in `seen` (added to it): {problem, answer, level, code, note}."""
     while True:
-        text, answer, code = rng.choice(LEVELS[level])(rng)
+        text, answer, code, note = rng.choice(LEVELS[level])(rng)
         if text not in seen:
             seen.add(text)
-            return {"problem": text, "answer": str(answer), "level": level, "code": code}
+            return {"problem": text, "answer": str(answer), "level": level, "code": code, "note": note}
 
 
 # ------------------------------------------------------------------------------------------ traces
@@ -120,8 +126,8 @@ def _answer(value: str, think: str = "") -> dict:
 
 
 def plan_trace(problem: dict, kind: str, rng, direct_correct: float) -> dict:
-    """The trace before execution: {kind, problem, level, answer, guess, codes (the calls to run, in order)}."""
-    plan = {"kind": kind, "problem": problem["problem"], "level": problem["level"], "answer": problem["answer"]}
+    """The trace before execution: {kind, problem, level, answer, note, guess, codes (the calls to run, in order)}."""
+    plan = {"kind": kind} | {key: problem[key] for key in ("problem", "level", "answer", "note")}
     if kind == "direct":
         correct = rng.random() < direct_correct
         plan.update(guess=problem["answer"] if correct else near_miss(problem["answer"], rng), codes=[])
@@ -138,8 +144,8 @@ def build_messages(plan: dict, responses: list) -> list[dict]:
     """The conversation of a planned trace, given each call's ToolResult (in order of plan['codes'])."""
     messages = [{"role": "user", "content": plan["problem"]}]
     if plan["kind"] == "direct":
-        return messages + [_answer(plan["guess"], THINK_DIRECT)]
-    thinks = [THINK_TOOL, THINK_FIX]
+        return messages + [_answer(plan["guess"], THINK_DIRECT.format(note=plan["note"]))]
+    thinks = [THINK_TOOL.format(note=plan["note"]), THINK_FIX.format(note=plan["note"])]
     for i, (code, result) in enumerate(zip(plan["codes"], responses)):
         messages.append({"role": "assistant", "content": f"{thinks[min(i, 1)]}</reason>\n", "tool_calls": _call(code)})
         messages.append({"role": "tool", "content": result.render()})
@@ -170,7 +176,7 @@ def write_task(out_dir, seed: int = 0, n_train: int = 2000, n_test: int = 100, n
 
     mix: trace-kind fractions for SFT (default direct 0.3, tool 0.5, fix 0.2); direct_correct: chance that a
     direct answer is the true one; sft_level2: fraction of SFT problems from level 2. Returns {split: path}."""
-    mix = mix or {"direct": 0.3, "tool": 0.5, "fix": 0.2}
+    mix = mix or DEFAULT_MIX
     out = Path(out_dir)
     rng, seen = random.Random(seed), set()
     test = [draw_problem(rng, level, seen) for level in (1, 2) for _ in range(n_test)]
@@ -185,8 +191,8 @@ def write_task(out_dir, seed: int = 0, n_train: int = 2000, n_test: int = 100, n
     sft = [{"messages": build_messages(plan, [next(results) for _ in plan["codes"]]),
             "kind": plan["kind"], "level": plan["level"], "answer": plan["answer"]} for plan in plans]
 
-    def public(rows):  # the generator's code is not part of a problem file
-        return [{k: v for k, v in row.items() if k != "code"} for row in rows]
+    def public(rows):  # the generator's code and note are not part of a problem file
+        return [{k: v for k, v in row.items() if k not in ("code", "note")} for row in rows]
     return {"test": write_jsonl(out / "test.jsonl", public(test)),
             "sft": write_jsonl(out / "sft.jsonl", sft),
             "train_level1": write_jsonl(out / "train_level1.jsonl", public(train[1])),
@@ -200,9 +206,9 @@ def main(argv=None):
     parser.add_argument("--n-train", type=int, default=2000, help="RL problems per level")
     parser.add_argument("--n-test", type=int, default=100, help="held-out problems per level")
     parser.add_argument("--n-sft", type=int, default=2000, help="SFT conversations")
-    parser.add_argument("--direct", type=float, default=0.5, help="fraction of direct-answer SFT traces")
-    parser.add_argument("--tool", type=float, default=0.3, help="fraction of clean tool-use SFT traces")
-    parser.add_argument("--fix", type=float, default=0.2, help="fraction of fail-then-fix SFT traces")
+    parser.add_argument("--direct", type=float, default=DEFAULT_MIX["direct"], help="fraction of direct-answer traces")
+    parser.add_argument("--tool", type=float, default=DEFAULT_MIX["tool"], help="fraction of clean tool-use traces")
+    parser.add_argument("--fix", type=float, default=DEFAULT_MIX["fix"], help="fraction of fail-then-fix traces")
     parser.add_argument("--direct-correct", type=float, default=0.2, help="chance a direct answer is right")
     args = parser.parse_args(argv)
     paths = write_task(args.out_dir, seed=args.seed, n_train=args.n_train, n_test=args.n_test, n_sft=args.n_sft,

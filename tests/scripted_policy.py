@@ -31,8 +31,8 @@ class ScriptedSampler:
         copy %= 4
         n = int(re.findall(r"Say (\d+)\.", text)[0])
         correct = bool(torch.rand(1).item() < 0.5) if self.use_rng else copy % 2 == 0
-        if "<tool_response>" in text:  # second turn: answer from the tool's output
-            return f"</reason>\n<answer>\\boxed{{{n if correct else n + 1}}}</answer>"
+        if "<tool_response>" in text:  # second turn: answer from the tool's output (right, unless the RNG says no)
+            return f"</reason>\n<answer>\\boxed{{{n if correct or not self.use_rng else n + 1}}}</answer>"
         if copy % 4 == 1:  # some rollouts use the tool first
             return "Use Python.</reason>\n" + format_tool_call(f"print({n})")
         filler = "" if correct else "Hmm. " * copy  # lengths differ, so token normalisation matters

@@ -75,6 +75,10 @@ def test_sft_conversations_render_and_follow_their_trace_kind(task):
         msgs, answer = row["messages"], row["answer"]
         roles = [m["role"] for m in msgs]
         final = msgs[-1]["content"]
+        numbers = set(re.findall(r"\d+", msgs[0]["content"]))
+        thought = msgs[1]["content"].split("</reason>")[0]  # decision word, then the problem's numbers restated
+        assert thought.split(":")[0] == {"direct": "Guess", "tool": "Tool", "fix": "Tool"}[row["kind"]]
+        assert numbers - {"1"} <= set(re.findall(r"\d+", thought)) <= numbers  # ("1" of "1..N" is not restated)
         assert final.endswith("</answer>") and "</reason>\n<answer>\\boxed{" in final
         if row["kind"] == "direct":
             assert roles == ["user", "assistant"]
