@@ -3,6 +3,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,3 +23,12 @@ def data_dir() -> Path:
             pytest.fail("CI must have ../shared/data (AIME/HMMT/MATH-500 JSONL) beside the checkout")
         pytest.skip("benchmark data not found: put the JSONL files in ../shared/data or set RSTAR2_DATA_DIR")
     return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Two OpenMP threads on a 2-core machine crawl when anything else runs (tool workers, other tests)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

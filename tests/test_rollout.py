@@ -21,13 +21,7 @@ CALL_TURN = "Multiply.</reason>\n" + format_tool_call("print(123*457)")
 ANSWER_TURN = "</reason>\n<answer>\\boxed{56211}</answer>"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Two OpenMP threads on a 2-core machine crawl when anything else runs (tool workers, other tests)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ------------------------------------------------------------------------------------------------ fakes

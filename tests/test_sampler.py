@@ -27,13 +27,7 @@ def prompts_of(tok, texts):
     return [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Two OpenMP threads on a 2-core machine crawl when anything else runs (tool workers, other tests)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ------------------------------------------------------------------------------------------------ HFSampler

@@ -15,12 +15,7 @@ from scripted_policy import ScriptedSampler, say_problems
 from tiny_model import build_tiny
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
