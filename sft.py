@@ -21,11 +21,19 @@ similar size the difference is small, and the per-micro-batch mean needs no coun
 
 Global batch (sequences per optimizer step) = micro_batch_size * grad_accum * world_size; grad_accum is derived
 from batch_size and it is an error if it does not divide. Data-parallel: each rank reads its share through the
-prepared DataLoader. Left out: sequence packing, evaluation during training, checkpoint/resume (marked below).
+prepared DataLoader. Left out: sequence packing, evaluation during training.
+
+Checkpoints (`checkpoint.py`): every `save_every` optimizer steps the run folder gets `checkpoint-{step}` (model,
+optimizer, scheduler, every rank's RNG states) and the data position (epoch, micro-batches this rank has read in it).
+A run started again in the same folder continues from the newest complete checkpoint (`resume=auto`, the default):
+the epoch's micro-batch order is rebuilt from (seed, epoch), the batches already read are skipped, and metrics.jsonl
+is cut back to the checkpoint's step, so the resumed run ends with the same weights and log as one that never
+stopped. `resume=never` refuses a folder that already holds a run; `resume=PATH` starts from that checkpoint.
 
 Run:  python sft.py configs/tiny/sft.yaml [key=value ...]
       accelerate launch --num_processes 8 sft.py my_sft.yaml      (data-parallel)
-Outputs in out_dir: config.yaml (resolved), metrics.jsonl (one line per logged step), model/ (model + tokenizer).
+Outputs in out_dir: config.yaml (resolved), metrics.jsonl (one line per logged step), checkpoint-*/ and `latest`
+(while it runs; the last `keep_checkpoints` are kept), model/ (model + tokenizer, at the end).
 """
 import functools
 import json
@@ -41,6 +49,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
+from checkpoint import load_checkpoint, resume_point, save_checkpoint, truncate_log
 from config import config_dict, format_config, parse_cli, save_config
 from data import check_model_path, load_conversations
 from protocol import DEFAULT_USER_INSTRUCTION, chat_format
@@ -71,6 +80,9 @@ class SFTConfig:
     log_every: int = 10  # optimizer steps between log lines
     report_to: str | None = None  # None, "tensorboard" or "wandb"
     max_steps: int | None = None  # stop after this many optimizer steps (tests, smoke runs)
+    save_every: int = 0  # optimizer steps between checkpoints (0: none); a multiple of log_every
+    keep_checkpoints: int = 2  # newest checkpoints kept in out_dir
+    resume: str = "auto"  # "auto": continue from out_dir's latest checkpoint; "never"; or a checkpoint folder
 
 
 # ----------------------------------------------------------------------------------- data (pure)
@@ -115,13 +127,18 @@ class LengthGroupedBatches:
     """Micro-batches of similar length, so less compute goes to padding (the idea of HF's group_by_length).
     Each epoch: shuffle all indices, cut them into windows of `window` micro-batches, sort each window by length,
     cut it into micro-batches, and shuffle the order of all micro-batches. Deterministic for a seed; a new order
-    every epoch. A micro-batch then tends to hold one kind of trace; the optimizer step mixes several."""
+    every epoch. A micro-batch then tends to hold one kind of trace; the optimizer step mixes several.
+    window=1 is a plain shuffle. The order depends only on (seed, epoch): `set_epoch` rebuilds any epoch's order,
+    which is what an exact resume needs; iterating again without it moves on to the next epoch."""
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int, window: int = 32):
         self.lengths, self.batch_size, self.seed, self.window, self.epoch = lengths, batch_size, seed, window, 0
 
     def __len__(self) -> int:
         return math.ceil(len(self.lengths) / self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
@@ -202,6 +219,9 @@ def check_inputs(cfg: SFTConfig):
         raise SystemExit(f"sft: data file not found: {cfg.data!r}")
     if cfg.mixed_precision not in ("no", "bf16"):
         raise SystemExit(f"sft: mixed_precision must be 'no' or 'bf16', got {cfg.mixed_precision!r}")
+    if cfg.save_every and cfg.save_every % cfg.log_every:
+        # a checkpoint between two log lines would lose the losses gathered since the last line
+        raise SystemExit(f"sft: save_every={cfg.save_every} must be a multiple of log_every={cfg.log_every}")
     chat = chat_format(cfg.system_prompt, cfg.user_instruction)
     try:
         return chat, load_conversations(cfg.data, chat)
@@ -210,17 +230,17 @@ def check_inputs(cfg: SFTConfig):
 
 
 def train(cfg: SFTConfig) -> Path:
-    """Run SFT as configured; returns the directory of the saved model."""
+    """Run SFT as configured (continuing from a checkpoint where there is one); returns the saved model's folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     chat, conversations = check_inputs(cfg)
+    out = Path(cfg.out_dir)
+    checkpoint = resume_point(cfg, out)
     acc, grad_accum = make_accelerator(cfg)
     acc.print(format_config(cfg))
     set_seed(cfg.seed)
-    out = Path(cfg.out_dir)
     metrics_path = out / "metrics.jsonl"
     if acc.is_main_process:
         save_config(cfg, out / "config.yaml")
-        metrics_path.write_text("")
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     model = AutoModelForCausalLM.from_pretrained(cfg.model_path)
@@ -229,13 +249,11 @@ def train(cfg: SFTConfig) -> Path:
     if not examples:
         raise SystemExit("sft: every conversation is longer than max_seq_len")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    collate_fn = functools.partial(collate, pad_id=pad_id)
-    if cfg.group_by_length:
-        batches = LengthGroupedBatches([len(ids) for ids, _ in examples], cfg.micro_batch_size, cfg.seed)
-        loader = torch.utils.data.DataLoader(examples, batch_sampler=batches, collate_fn=collate_fn)
-    else:
-        loader = torch.utils.data.DataLoader(examples, batch_size=cfg.micro_batch_size, shuffle=True,
-                                             collate_fn=collate_fn, generator=torch.Generator().manual_seed(cfg.seed))
+    # group_by_length=False is the same sampler with windows of one micro-batch: a plain shuffle, resumable alike
+    batches = LengthGroupedBatches([len(ids) for ids, _ in examples], cfg.micro_batch_size, cfg.seed,
+                                   window=32 if cfg.group_by_length else 1)
+    loader = torch.utils.data.DataLoader(examples, batch_sampler=batches,
+                                         collate_fn=functools.partial(collate, pad_id=pad_id))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]  # no weight decay on norms and biases
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -253,11 +271,33 @@ def train(cfg: SFTConfig) -> Path:
     acc.print(f"sft: {total_steps} optimizer steps ({steps_per_epoch}/epoch), batch {cfg.batch_size} = "
               f"{cfg.micro_batch_size} x {grad_accum} accumulation x {P} ranks, warm-up {warmup_steps} steps")
 
-    step, losses, tokens, t0 = 0, [], 0, time.perf_counter()
-    bar = tqdm(total=total_steps, desc="sft", disable=not acc.is_local_main_process, file=sys.stdout)
+    # ---- where to start: step 0, or a checkpoint's step and data position (epoch, micro-batches read in it)
+    step, start_epoch, skip = 0, 0, 0
+    if checkpoint is not None:
+        state = load_checkpoint(acc, checkpoint)
+        step, start_epoch, skip = state["step"], state["epoch"], state["batches_in_epoch"]
+        if skip >= len(loader):  # the checkpoint closed its epoch
+            start_epoch, skip = start_epoch + 1, 0
+        if acc.is_main_process:
+            truncate_log(metrics_path, step)
+        acc.print(f"sft: resumed from {checkpoint} at step {step} (epoch {start_epoch}, {skip} micro-batches in)")
+    elif acc.is_main_process:
+        metrics_path.write_text("")
+
+    losses, tokens, t0 = [], 0, time.perf_counter()
+    bar = tqdm(total=total_steps, initial=step, desc="sft", disable=not acc.is_local_main_process, file=sys.stdout)
     model.train()
-    for epoch in range(cfg.epochs):
-        for batch in loader:
+    for epoch in range(start_epoch, cfg.epochs):
+        if step >= total_steps:
+            break
+        read, epoch_loader = skip, acc.skip_first_batches(loader, skip) if skip else loader
+        skip = 0
+        # The epoch's micro-batch order is a function of (seed, epoch). Accelerate's loader passes its own epoch
+        # counter to the sampler when it starts iterating (a fresh counter in the loader skip_first_batches makes),
+        # so both are set here.
+        batches.set_epoch(epoch)
+        epoch_loader.set_epoch(epoch)
+        for batch in epoch_loader:
             with acc.accumulate(model):
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 loss = masked_lm_loss(logits, batch["labels"])
@@ -269,6 +309,7 @@ def train(cfg: SFTConfig) -> Path:
                 optimizer.zero_grad()
             losses.append(loss.detach())
             tokens += int(batch["attention_mask"].sum())
+            read += 1
             if not acc.sync_gradients:
                 continue
             step += 1
@@ -282,11 +323,11 @@ def train(cfg: SFTConfig) -> Path:
                        "perf/tokens_per_s": all_tokens / (time.perf_counter() - t0)}
                 log_step(acc, metrics_path, row, bar)
                 losses, tokens, t0 = [], 0, time.perf_counter()
-            # (checkpoint/resume is a later issue: save model, optimizer, scheduler and `step` here every N steps)
+            if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
+                save_checkpoint(acc, out, step, {"epoch": epoch, "batches_in_epoch": read,
+                                                 "total_steps": total_steps}, keep_last=cfg.keep_checkpoints)
             if step >= total_steps:
                 break
-        if step >= total_steps:
-            break
     bar.close()
     save_model(acc, model, tokenizer, out / "model")
     acc.print(f"sft: saved {out / 'model'}")

@@ -1,6 +1,7 @@
 """sft.py: the loss mask, the loss and schedule on hand-computed values, a short real run that learns, bad input."""
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -183,3 +184,89 @@ def test_unknown_key_and_indivisible_batch_are_errors(tiny, tmp_path):
                     micro_batch_size=4)
     with pytest.raises(SystemExit, match="batch_size=6 is not a multiple"):
         train(cfg)
+
+
+# ----------------------------------------------------------------------------------- checkpoints and resume
+# Runs sft.py's entry point and SIGKILLs the process right after it has logged step KILL_AT: no clean-up, and the
+# log holds a line newer than the last checkpoint, which the resumed run must drop and write again.
+KILLER = """
+import os, signal, sys
+import sft
+kill_at, log_step = int(sys.argv[1]), sft.log_step
+def log_then_die(acc, path, row, bar):
+    log_step(acc, path, row, bar)
+    if row["step"] == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+sft.log_step = log_then_die
+sft.train(sft.parse_cli(sft.SFTConfig, sys.argv[2:]))
+"""
+
+
+def _sft_rows(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]  # timings differ run to run
+
+
+def test_sigkill_then_resume_matches_the_uninterrupted_run(tiny, tmp_path):
+    root, base, data = tiny
+    # 16 conversations in micro-batches of 2: 8 per epoch, 3 per optimizer step -> steps end after micro-batches
+    # 3, 6 and 8 (a partial one at the epoch's end); checkpoints at steps 2 and 4 fall inside epochs 0 and 1.
+    args = [f"model_path={base}", f"data={data}", "epochs=2", "lr=3e-3", "batch_size=6", "micro_batch_size=2",
+            "log_every=1", "save_every=2", "system_prompt=compact", "user_instruction="]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    subprocess.run([sys.executable, "sft.py", f"out_dir={straight}"] + args, cwd=ROOT, env=env, check=True,
+                   capture_output=True, timeout=120)
+    for kill_at, resumed_at in ((3, 2), (5, 4)):
+        dead = subprocess.run([sys.executable, "-c", KILLER, str(kill_at), f"out_dir={killed}"] + args, cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert dead.returncode == -9, dead.stderr[-2000:]
+        assert [r["step"] for r in _sft_rows(killed)][-1] == kill_at and not (killed / "model").exists()
+        assert (killed / "latest").read_text().strip() == f"checkpoint-{resumed_at}"
+    done = subprocess.run([sys.executable, "sft.py", f"out_dir={killed}"] + args, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "resumed from" in done.stdout and "at step 4 (epoch 1, 3 micro-batches in)" in done.stdout
+    assert [r["step"] for r in _sft_rows(killed)] == [1, 2, 3, 4, 5, 6]
+    assert _sft_rows(killed) == _sft_rows(straight)
+    a, b = (AutoModelForCausalLM.from_pretrained(p / "model").state_dict() for p in (straight, killed))
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_a_folder_that_holds_a_run_is_never_silently_started_over(tiny, tmp_path):
+    root, base, data = tiny
+    out = tmp_path / "run"
+    args = [sys.executable, "sft.py", f"model_path={base}", f"data={data}", f"out_dir={out}", "max_steps=2",
+            "batch_size=8", "micro_batch_size=8", "log_every=1", "system_prompt=compact", "user_instruction="]
+    assert subprocess.run(args, cwd=ROOT, capture_output=True, timeout=120).returncode == 0
+    log = (out / "metrics.jsonl").read_text()
+    again = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)  # no checkpoint to resume
+    assert again.returncode != 0 and "has metrics.jsonl but no checkpoint to continue from" in again.stderr
+    never = subprocess.run(args + ["resume=never"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert never.returncode != 0 and "already holds a run" in never.stderr
+    assert (out / "metrics.jsonl").read_text() == log  # the first run's log is untouched
+    bad = subprocess.run(args + ["save_every=3", "log_every=2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "save_every=3 must be a multiple of log_every=2" in bad.stderr
+
+
+def test_two_ranks_match_one_rank_with_gradient_accumulation(tiny, tmp_path):
+    # batch 8 = 4 per micro-batch x 2 ranks, or x 2 accumulation steps on one rank: rank r reads micro-batches
+    # r, r+2, ... of the same order, so every optimizer step averages the same two micro-batch losses.
+    root, base, data = tiny
+    args = [f"model_path={base}", f"data={data}", "epochs=2", "lr=3e-3", "batch_size=8", "micro_batch_size=4",
+            "log_every=1", "system_prompt=compact", "user_instruction="]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one, two = tmp_path / "one", tmp_path / "two"
+    subprocess.run([sys.executable, "sft.py", f"out_dir={one}"] + args, cwd=ROOT, env=env, check=True,
+                   capture_output=True, timeout=120)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"]
+    done = subprocess.run(torchrun + ["sft.py", f"out_dir={two}"] + args, cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "batch 8 = 4 x 1 accumulation x 2 ranks" in done.stdout
+    r1, r2 = _sft_rows(one), _sft_rows(two)
+    assert [r["step"] for r in r1] == [r["step"] for r in r2] == [1, 2, 3, 4]
+    for a, b in zip(r1, r2):
+        assert a["sft/loss"] == pytest.approx(b["sft/loss"], abs=1e-5)
+    a, b = (AutoModelForCausalLM.from_pretrained(p / "model").state_dict() for p in (one, two))
+    assert all((a[n] - b[n]).abs().max() <= 2e-6 for n in a)
