@@ -1,0 +1,70 @@
+"""ablation.py: the arms differ only in the RoC fields, and the table and plots are computed from the run logs."""
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+import ablation
+from config import load_config
+from train import TrainConfig
+
+
+def test_arms_differ_only_in_the_resampling_fields(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(ablation.subprocess, "run", lambda cmd, check: calls.append(cmd))
+    args = argparse.Namespace(
+        root=str(tmp_path), sft="runs/tiny/sft/model", data="d.jsonl", eval_data="t.jsonl",
+        config="configs/tiny/stage1.yaml", steps=7, eval_every=5, eval_limit=100, eval_samples=2, override=["lr=1e-4"])
+    for arm in ablation.ARMS:
+        ablation.run_arm(arm, 3, args)
+    fields = [dict(a.split("=", 1) for a in cmd[3:]) for cmd in calls]
+    assert [f["roc_mode"] for f in fields] == ["sample", "off", "lowest"]
+    assert [(f["rollouts_per_prompt"], f["group_size"]) for f in fields] == [("8", "4"), ("4", "4"), ("8", "4")]
+    same = [{k: v for k, v in f.items() if k not in ("roc_mode", "rollouts_per_prompt", "group_size", "out_dir")}
+            for f in fields]
+    assert same[0] == same[1] == same[2] and same[0]["seed"] == "3" and same[0]["lr"] == "1e-4"
+    for cmd in calls:  # every arm is a valid train.py configuration
+        cfg = load_config(TrainConfig, [cmd[2]], cmd[3:])
+        assert cfg.steps == 7 and cfg.group_size == 4
+
+
+def test_curve_smooths_with_a_trailing_mean_and_skips_missing_values():
+    rows = [{"step": 1, "x": 1.0}, {"step": 2, "x": float("nan")}, {"step": 3, "x": 3.0}, {"step": 4},
+            {"step": 5, "x": 5.0}]
+    assert ablation.curve(rows, "x", 1) == [(1, 1.0), (3, 3.0), (5, 5.0)]
+    assert ablation.curve(rows, "x", 2) == [(1, 1.0), (3, 2.0), (5, 4.0)]
+
+
+def _fake_run(folder: Path, acc: list[float], err: list[float]):
+    folder.mkdir(parents=True)
+    rows = []
+    for step, e in enumerate(err, 1):
+        row = {"step": step, "rollout/tool_error_rate_in_correct": e, "rollout/response_tokens_mean": 100.0 - step,
+               "rollout/tool_calls_mean": 1.0}
+        if step % 2 == 0:
+            row["eval/accuracy"] = acc[step // 2 - 1]
+        rows.append(row)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_report_reads_the_runs_and_writes_table_and_plots(tmp_path):
+    _fake_run(tmp_path / "roc-seed0", [0.5, 0.7], [0.2, 0.1, 0.0, 0.0])
+    _fake_run(tmp_path / "roc-seed1", [0.4, 0.9], [0.2, 0.2, 0.0, 0.1])
+    _fake_run(tmp_path / "grpo-seed0", [0.5, 0.6], [0.2, 0.2, 0.2, 0.2])
+    _fake_run(tmp_path / "grpo-seed1", [0.5, 0.5], [0.3, 0.2, 0.1, 0.1])
+    ablation.main(["--root", str(tmp_path), "--arms", "roc", "grpo", "--seeds", "0", "1", "--smooth", "2",
+                   "--report-only"])
+    final = json.loads((tmp_path / "ablation.json").read_text())["final"]
+    assert final["roc"]["accuracy"]["seeds"] == [0.7, 0.9]
+    assert final["roc"]["accuracy"]["mean"] == pytest.approx(0.8)
+    assert final["roc"]["accuracy"]["std"] == pytest.approx(statistics.stdev([0.7, 0.9]))
+    # trailing mean of the last 2 steps: roc (0+0)/2 and (0+0.1)/2; grpo 0.2 and 0.1
+    assert final["roc"]["tool_error_rate_in_correct"]["seeds"] == pytest.approx([0.0, 0.05])
+    assert final["grpo"]["tool_error_rate_in_correct"]["seeds"] == pytest.approx([0.2, 0.1])
+    assert final["grpo"]["response_tokens"]["mean"] == pytest.approx(96.5)
+    for name, _, _ in ablation.METRICS:
+        assert (tmp_path / f"ablation_{name}.png").stat().st_size > 1000
+    table = (tmp_path / "ablation.md").read_text()
+    assert "| roc | 0.800 ± 0.141 [0.700, 0.900]" in table
