@@ -7,7 +7,9 @@ reads: the status word, a newline, then stdout and stderr cut in the middle ("ok
 
 Design (the report's separate code service, on one machine): the caller never forks. It starts W worker servers
 with subprocess and talks JSON lines to each from one thread. A server imports numpy, sympy, ... once (PRELOAD),
-then forks a child per call (a "zygote": a few ms against 20 ms for a new python, 0.5 s or more with sympy). The
+then forks a child per call (a "zygote": a few ms against 20 ms for a new python, 0.5 s or more with sympy). Half
+the servers preload only the standard-library modules: a call whose code imports nothing else (`needs_heavy`) forks
+from one of those, which costs about half as much as forking a server that holds numpy and sympy. The
 child drops to uid 65534 (nobody) when the server is root, sets hard rlimits (address space, file size, core, CPU),
 chdirs to a fresh temporary directory (also $HOME and $TMPDIR), reads stdin from a memfd and writes into pipes. The
 fork is the fresh state: builtins patched, chdir, closed descriptors, os._exit or a segfault end with the child.
@@ -48,7 +50,6 @@ import gc
 import json
 import linecache
 import os
-import queue
 import resource
 import select
 import shutil
@@ -106,6 +107,24 @@ def cut_middle(text: str, max_chars: int) -> str:
         return text
     head = max_chars // 2
     return f"{text[:head]}\n...[{len(text) - max_chars} chars cut]...\n{text[len(text) - (max_chars - head):]}"
+
+
+def needs_heavy(code: str) -> bool:
+    """Whether a call should go to a server with the third-party PRELOAD modules (numpy, sympy): True when the code
+    imports anything outside the standard library, or imports dynamically. Code that does not parse is light (it
+    fails at once anywhere). A wrong guess only costs time: a light server imports what the code asks for."""
+    if "__import__" in code or "importlib" in code:
+        return True
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(name.split(".")[0] not in sys.stdlib_module_names for name in names):
+            return True
+    return False
 
 
 def default_workers() -> int:
@@ -405,8 +424,8 @@ class WorkerDied(Exception):
 class _Server:
     """One worker server process and the pipe protocol to it; driven by one caller thread, retired by close()."""
 
-    def __init__(self, cmd: list[str], env: dict, namespaced: bool):
-        self.cmd, self.env, self.namespaced = cmd, env, namespaced
+    def __init__(self, cmd: list[str], env: dict, namespaced: bool, kind: str = "heavy"):
+        self.cmd, self.env, self.namespaced, self.kind = cmd, env, namespaced, kind  # kind: which calls it takes
         self.proc, self.buf, self.retired, self.lock = None, b"", False, threading.Lock()
 
     def start(self) -> None:
@@ -456,9 +475,50 @@ class _Server:
             shutil.rmtree(self.base, ignore_errors=True)
 
 
-def _serve_jobs(server: _Server, jobs: queue.Queue, limits: dict, max_chars: int) -> None:
+class _JobBoard:
+    """Queued calls in two lanes. A "light" server (standard-library preload: half the fork cost) takes light calls;
+    a "heavy" server (numpy, sympy, ...) takes heavy calls first, and light ones only while no light server is idle,
+    so every server stays busy under any mix and a light call waits for a heavy server only when it must."""
+
+    def __init__(self):
+        self.cv, self.lanes, self.idle_light, self.closed = threading.Condition(), {"light": [], "heavy": []}, 0, False
+
+    def put(self, lane: str, job) -> None:
+        with self.cv:
+            if self.closed:
+                raise RuntimeError("CodeTool is closed")
+            self.lanes[lane].append(job)
+            self.cv.notify_all()
+
+    def take(self, kind: str):
+        """The next job for a server of this kind; None once closed."""
+        with self.cv:
+            self.idle_light += kind == "light"
+            try:
+                while not self.closed:
+                    if kind == "heavy" and self.lanes["heavy"]:
+                        return self.lanes["heavy"].pop(0)
+                    if self.lanes["light"] and (kind == "light" or self.idle_light == 0):
+                        return self.lanes["light"].pop(0)
+                    self.cv.wait()
+                return None
+            finally:
+                self.idle_light -= kind == "light"
+                self.cv.notify_all()  # a heavy server may now take a light call that no idle light server will
+
+    def close(self) -> list:
+        """Refuse new calls, wake every server thread, and return the calls still queued."""
+        with self.cv:
+            self.closed = True
+            left = self.lanes["light"] + self.lanes["heavy"]
+            self.lanes = {"light": [], "heavy": []}
+            self.cv.notify_all()
+            return left
+
+
+def _serve_jobs(server: _Server, jobs: _JobBoard, limits: dict, max_chars: int) -> None:
     """One caller thread per server: take a job, run it there, resolve its future; replace the server if it died."""
-    while (job := jobs.get()) is not None:
+    while (job := jobs.take(server.kind)) is not None:
         code, stdin, future = job
         if not future.set_running_or_notify_cancel():
             continue
@@ -479,20 +539,14 @@ def _serve_jobs(server: _Server, jobs: queue.Queue, limits: dict, max_chars: int
                 time.sleep(0.5)
 
 
-def _shutdown(servers: list[_Server], jobs: queue.Queue, lock: threading.Lock) -> None:
+def _shutdown(servers: list[_Server], jobs: _JobBoard) -> None:
     """Fail the calls still queued, stop the threads and end every server (close(), GC or interpreter exit)."""
-    with lock:
-        for server in servers:
-            server.retired = True  # submit() refuses from now on
-    while True:
-        try:
-            job = jobs.get_nowait()
-        except queue.Empty:
-            break
-        if job is not None and job[2].set_running_or_notify_cancel():
-            job[2].set_result(ToolResult("crash", "", "code tool closed before the call ran\n"))
     for server in servers:
-        jobs.put(None)
+        server.retired = True
+    for _, _, future in jobs.close():  # submit() refuses from now on
+        if future.set_running_or_notify_cancel():
+            future.set_result(ToolResult("crash", "", "code tool closed before the call ran\n"))
+    for server in servers:
         server.stop(retire=True)
 
 
@@ -502,19 +556,27 @@ class CodeTool:
     workers: servers, i.e. calls running at once (default_workers()); timeout: wall-clock seconds per call;
     memory_mb: address space a call may add to the warm interpreter's; max_output_chars: ToolResult.render()'s
     default cut; max_output_bytes: bytes read per stream before the call is killed as "output_limit"; preload:
-    modules each server imports once."""
+    modules each server imports once; light_workers: how many servers preload only its standard-library part
+    (default half of them, when preload has more than that and workers >= 2). Calls that import nothing beyond the
+    standard library (`needs_heavy`) go to those first: forking a server without numpy and sympy costs about half."""
 
     def __init__(self, workers: int | None = None, timeout: float = 4.0, memory_mb: int = 512,
-                 max_output_chars: int = 1000, max_output_bytes: int = 1 << 20, preload: tuple = PRELOAD):
+                 max_output_chars: int = 1000, max_output_bytes: int = 1 << 20, preload: tuple = PRELOAD,
+                 light_workers: int | None = None):
         self.workers = workers or default_workers()
         self.sandbox, prefix = sandbox_prefix()
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")}  # no secrets
         env.update(LANG="C.UTF-8", HOME="/tmp", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        cmd = [*prefix, sys.executable, os.path.abspath(__file__), "--serve", ",".join(preload)]
-        self._jobs: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._servers = [_Server(cmd, env, self.sandbox == "namespaces") for _ in range(self.workers)]
-        self._finalizer = weakref.finalize(self, _shutdown, self._servers, self._jobs, self._lock)
+        light = [m for m in preload if m in sys.stdlib_module_names]
+        self.light_workers = 0 if len(light) == len(preload) else \
+            min(self.workers - 1, self.workers // 2 if light_workers is None else light_workers)
+        self.light_workers = max(self.light_workers, 0)
+        serve = [*prefix, sys.executable, os.path.abspath(__file__), "--serve"]
+        self._jobs = _JobBoard()
+        self._servers = [_Server(serve + [",".join(light if i < self.light_workers else preload)], env,
+                                 self.sandbox == "namespaces", "light" if i < self.light_workers else "heavy")
+                         for i in range(self.workers)]
+        self._finalizer = weakref.finalize(self, _shutdown, self._servers, self._jobs)
         try:
             for server in self._servers:
                 server.start()
@@ -531,10 +593,7 @@ class CodeTool:
     def submit(self, code: str, stdin: str = "") -> Future:
         """Queue one call; the Future resolves to its ToolResult (it never raises, nor waits past timeout + grace)."""
         future: Future = Future()
-        with self._lock:
-            if self._servers[0].retired:
-                raise RuntimeError("CodeTool is closed")
-            self._jobs.put((code, stdin, future))
+        self._jobs.put("heavy" if not self.light_workers or needs_heavy(code) else "light", (code, stdin, future))
         return future
 
     def run(self, code: str, stdin: str = "") -> ToolResult:

@@ -384,3 +384,31 @@ def test_fallback_sandbox_still_contains_escapes(monkeypatch, shared_dir):
         assert t.run("while True:\n    pass").status == "timeout"
         assert t.run("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)").status in ("error", "crash", "ok")
         assert t.run("print(2+2)").stdout == "4\n"
+
+
+# ----------------------------------------------------------------------------------- light and heavy servers
+def test_needs_heavy_routes_by_what_the_code_imports():
+    light = ["print(2+2)", "import math\nprint(math.pi)", "from fractions import Fraction", "import os.path",
+             "x = (", "from . import x", "s = 'numpy'"]
+    heavy = ["import numpy as np", "from sympy import symbols", "import math, scipy", "import mpmath.libmp",
+             "def f():\n    import sympy\n", "__import__('numpy')", "import importlib"]
+    assert [code_tool.needs_heavy(c) for c in light] == [False] * len(light)
+    assert [code_tool.needs_heavy(c) for c in heavy] == [True] * len(heavy)
+
+
+def test_plain_calls_fork_from_a_light_server_and_imports_from_a_heavy_one(tool):
+    assert tool.workers == 2 and tool.light_workers == 1
+    loaded = "import sys\nprint(sorted(m for m in ('numpy', 'sympy') if m in sys.modules))"
+    assert tool.run(loaded).stdout == "[]\n"  # standard library only: the light server
+    assert tool.run("import sympy\n" + loaded).stdout == "['numpy', 'sympy']\n"  # preloaded there, not imported now
+    # a pool of only standard-library preload is not split
+    with CodeTool(workers=2, preload=LIGHT) as t:
+        assert t.light_workers == 0
+
+
+def test_a_heavy_server_takes_light_calls_when_no_light_server_is_idle(tool):
+    # two light calls on a pool of one light and one heavy server still run at once
+    start = time.monotonic()
+    results = tool.run_batch([("import time\ntime.sleep(0.6)\nprint(1)", "")] * 2)
+    assert [r.stdout for r in results] == ["1\n", "1\n"]
+    assert time.monotonic() - start < 1.1
