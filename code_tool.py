@@ -136,7 +136,10 @@ def default_workers() -> int:
 # ----------------------------------------------------------------------------------- the call child (runs model code)
 def format_error(exc: BaseException) -> str:
     """A compact traceback: only frames of the model's code (none of ours or a library's), the innermost
-    MAX_FRAMES of them, without 3.11's ^^^ marker lines; then the exception line, which matters most."""
+    MAX_FRAMES of them, without 3.11's ^^^ marker lines; then the exception line, which matters most.
+    SystemExit gets only its line ("SystemExit: 1"): Python prints no traceback for it either."""
+    if isinstance(exc, SystemExit):
+        return "".join(traceback.format_exception_only(type(exc), exc))
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == CODE_NAME]
     lines = [f'  File "{CODE_NAME}", line {f.lineno}, in {f.name}\n' + (f"    {f.line}\n" if f.line else "")
              for f in frames[-MAX_FRAMES:]]

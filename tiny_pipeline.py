@@ -65,7 +65,7 @@ def pipeline(root: Path, quick: bool) -> dict:
             run(["eval.py", "configs/tiny/eval.yaml", f"model_path={root / 'stage2' / 'model'}",
                  f"out_dir={root / 'unsolved_stage2'}", f"benchmarks=[{data / 'train_level2.jsonl'}]",
                  "samples=4", "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}"]
-                + (["limit=6", "samples=2"] if quick else ["limit=400"]))
+                + (["limit=6", "samples=2"] if quick else ["limit=200"]))
         if not (root / name / "model" / "config.json").is_file():
             # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report section 6).
             extra = [f"optimizer_from={root / 'stage1'}"] if stage == 2 else []

@@ -22,14 +22,26 @@ reasoning traces). Each conversation is one of three traces, in configurable fra
   changed), because a tiny model answering from its head is mostly wrong;
 - "tool": one clean call, then the printed number as the answer;
 - "fix": a first call with a realistic bug (unclosed parenthesis, misspelt name, `=` for `==`, a wrong type),
-  the real error text, a fixed call, then the answer.
+  the real error text, a fixed call, then the answer;
+- "sloppy": one call that prints the result and then fails on a leftover line (`print(ans)`, a name never
+  assigned), so the tool reports an error with its traceback, and the answer read from the printed number is
+  still right.
+The sloppy traces are the tool noise the report's Resample-on-Correct exists for (rstar2-agent.md section 3): a
+rollout whose call failed yet whose answer is right earns the full reward, so plain GRPO has no reason to stop
+writing such calls, while RoC prefers the clean positives. Without them the tiny task has almost no such rollouts:
+a failed call here is nearly always followed by a failed answer (measured: 14% correct after an error against 73%
+after a clean call), and both GRPO and RoC drop errors within a few steps. With the sloppy traces the errors are
+cheaper, not free: the traceback puts ~120 characters between the printed number and the answer, which this model
+copies worse than the 5 characters after "ok\n". A leftover `exit(1)` (a 14-character "SystemExit: 1") would make
+them nearly free, but with that data SFT did not learn to copy in 1,500-2,000 steps in 4 of 4 runs, against step
+~850 with this one (docs/LOG.md, 2026-11-30).
 Tool responses are produced by running every call through the real `CodeTool`, so SFT shows exactly the text a
 rollout would see, errors included. The thinking text is a few words: the decision ("Guess", "Tool", "Fix") on the
 first token after `<reason>`, which is what RL can move, then the problem's numbers restated, which keeps every copy
 the model must learn (problem -> thinking -> code, tool output -> answer) within a few tokens.
 
 Left out: natural-language word problems, multi-call problems beyond one fix, and any answer that is not an
-integer. Run `python tiny_task.py runs/tiny/data [--seed 0 --n-train 2000 --n-test 100 --n-sft 2000]`.
+integer. Run `python tiny_task.py runs/tiny/data [--seed 0 --n-train 2000 --n-test 100 --n-sft 4000]`.
 """
 import argparse
 import random
@@ -46,7 +58,8 @@ from protocol import TOOL_NAME
 THINK_DIRECT = "Guess: {note}."
 THINK_TOOL = "Tool: {note}."
 THINK_FIX = "Fix: {note}."
-DEFAULT_MIX = {"direct": 0.3, "tool": 0.5, "fix": 0.2}  # SFT trace-kind fractions
+SLOPPY_LINE = "print(ans)"  # the leftover line of a sloppy call: NameError after the result is printed
+DEFAULT_MIX = {"direct": 0.4, "tool": 0.25, "sloppy": 0.15, "fix": 0.2}  # SFT trace-kind fractions
 # Tool settings used to render SFT tool responses; the tiny RL configs should run the tool with the same output cap
 # so the SFT text and rollout text agree.
 TOOL_TIMEOUT_S = 4.0
@@ -135,6 +148,8 @@ def plan_trace(problem: dict, kind: str, rng, direct_correct: float) -> dict:
         plan.update(codes=[problem["code"]])
     elif kind == "fix":
         plan.update(codes=[buggy_code(problem["code"], rng), problem["code"]])
+    elif kind == "sloppy":
+        plan.update(codes=[problem["code"] + "\n" + SLOPPY_LINE])
     else:
         raise ValueError(f"unknown trace kind {kind!r}")
     return plan
@@ -150,10 +165,10 @@ def build_messages(plan: dict, responses: list) -> list[dict]:
         messages.append({"role": "assistant", "content": f"{thinks[min(i, 1)]}</reason>\n", "tool_calls": _call(code)})
         messages.append({"role": "tool", "content": result.render()})
     final = responses[-1]
-    if not final.ok:
-        raise RuntimeError(f"the correct code for {plan['problem']!r} failed in the tool: {final.render()!r}")
-    printed = final.render()
-    if plan["answer"] not in printed:
+    if final.ok == (plan["kind"] == "sloppy"):
+        raise RuntimeError(f"the last call for {plan['problem']!r} ({plan['kind']}) gave {final.render()!r}")
+    printed = final.stdout
+    if printed.splitlines()[:1] != [plan["answer"]]:
         raise RuntimeError(f"tool output for {plan['problem']!r} does not show {plan['answer']}: {printed!r}")
     return messages + [_answer(plan["answer"])]
 
@@ -169,12 +184,12 @@ def trace_kinds(n: int, mix: dict, rng) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ the task files
-def write_task(out_dir, seed: int = 0, n_train: int = 2000, n_test: int = 100, n_sft: int = 2000,
+def write_task(out_dir, seed: int = 0, n_train: int = 2000, n_test: int = 100, n_sft: int = 4000,
                mix: dict | None = None, direct_correct: float = 0.2, sft_level2: float = 0.4,
                workers: int = 2) -> dict:
     """Write test.jsonl, sft.jsonl, train_level1.jsonl and train_level2.jsonl under `out_dir`; same seed, same files.
 
-    mix: trace-kind fractions for SFT (default direct 0.3, tool 0.5, fix 0.2); direct_correct: chance that a
+    mix: trace-kind fractions for SFT (default DEFAULT_MIX); direct_correct: chance that a
     direct answer is the true one; sft_level2: fraction of SFT problems from level 2. Returns {split: path}."""
     mix = mix or DEFAULT_MIX
     out = Path(out_dir)
@@ -205,14 +220,16 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--n-train", type=int, default=2000, help="RL problems per level")
     parser.add_argument("--n-test", type=int, default=100, help="held-out problems per level")
-    parser.add_argument("--n-sft", type=int, default=2000, help="SFT conversations")
+    parser.add_argument("--n-sft", type=int, default=4000, help="SFT conversations")
     parser.add_argument("--direct", type=float, default=DEFAULT_MIX["direct"], help="fraction of direct-answer traces")
     parser.add_argument("--tool", type=float, default=DEFAULT_MIX["tool"], help="fraction of clean tool-use traces")
     parser.add_argument("--fix", type=float, default=DEFAULT_MIX["fix"], help="fraction of fail-then-fix traces")
+    parser.add_argument("--sloppy", type=float, default=DEFAULT_MIX["sloppy"],
+                        help="fraction of traces whose call prints the answer, then fails on a leftover line")
     parser.add_argument("--direct-correct", type=float, default=0.2, help="chance a direct answer is right")
     args = parser.parse_args(argv)
     paths = write_task(args.out_dir, seed=args.seed, n_train=args.n_train, n_test=args.n_test, n_sft=args.n_sft,
-                       mix={"direct": args.direct, "tool": args.tool, "fix": args.fix},
+                       mix={"direct": args.direct, "tool": args.tool, "sloppy": args.sloppy, "fix": args.fix},
                        direct_correct=args.direct_correct)
     for split, path in paths.items():
         print(f"{split:>13}: {path}")

@@ -6,6 +6,7 @@ most RL codebases do, runs `subprocess.run([sys.executable, "-c", code], timeout
 size. The soak sends N calls (2,000; --quick: 400), one in ten hostile (infinite loop, memory bomb, output flood),
 and reports lost or hung calls and the honest calls' throughput.
 
+Also, side by side: the trivial calls on a pool without light servers (every server preloads numpy and sympy).
 Run: `.venv/bin/python bench/code_tool.py [--quick] [--workers W]`.
 """
 import argparse
@@ -94,7 +95,8 @@ def main() -> None:
           f"load average at start: {os.getloadavg()[0]:.1f} (other work on the machine slows both sides)")
     rows = []
     with CodeTool(workers=args.workers, timeout=10.0) as tool:
-        print(f"sandbox: {tool.sandbox}")
+        print(f"sandbox: {tool.sandbox}, light servers (standard-library preload): {tool.light_workers} of "
+              f"{tool.workers}")
         tool.run_batch([(SYMPY, "")] * args.workers * 2)  # warm the servers' first-call paths
         for name, code, plain_n, our_n in (("(a) print(2+2)", TRIVIAL, 160, 1000), ("(b) sympy solve", SYMPY, 24, 400)):
             for in_flight in (1, 16, 256):
@@ -111,6 +113,15 @@ def main() -> None:
         flight = f"{in_flight}" if plain_flight == in_flight else f"{in_flight} ({plain_flight}*)"
         print(f"{name:<16} {flight:>9} | {p_rate:>13.1f} {p50:>8.1f} {p99:>8.1f} | {o_rate:>16.1f} {o50:>7.1f} "
               f"{o99:>7.1f} | {o_rate / p_rate:>6.1f}x")
+    # The light servers' share, side by side: the same trivial calls on a pool where every server preloads numpy/sympy.
+    with CodeTool(workers=args.workers, timeout=10.0, light_workers=0) as heavy_only:
+        heavy_only.run_batch([(TRIVIAL, "")] * args.workers * 2)
+        for in_flight in (1, 16):
+            rate, p50, p99 = ours(heavy_only, TRIVIAL, in_flight, max(int(1000 * scale), 20))
+            light = next(r[4] for r in rows if r[0] == "(a) print(2+2)" and r[1] == in_flight)
+            print(f"(a) without light servers, {in_flight:>3} in flight: {rate:.1f} calls/s, p50 {p50:.1f} ms, "
+                  f"p99 {p99:.1f} ms; with them: {light[0]:.1f} calls/s, p99 {light[2]:.1f} ms "
+                  f"({light[0] / rate:.2f}x the throughput)")
     if any(r[1] != r[2] for r in rows):
         print(f"* the plain alternative with sympy ran at most {plain_cap} interpreters at once (~50 MB each); "
               "with every core busy its throughput cannot rise with more")

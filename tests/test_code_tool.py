@@ -177,7 +177,8 @@ def test_exits_end_only_the_call(solo, code, status):
 
 
 def test_sys_exit_message_is_shown(solo):
-    assert "SystemExit: 2" in solo.run("import sys\nsys.exit(2)").stderr
+    assert solo.run("import sys\nsys.exit(2)").stderr == "SystemExit: 2\n"  # as Python: no traceback for it
+    assert solo.run("print(5)\nexit(1)").render() == "error\n5\nSystemExit: 1\n"
     assert "exit code 3" in solo.run("import os\nos._exit(3)").stderr
 
 

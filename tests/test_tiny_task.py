@@ -11,7 +11,7 @@ from protocol import chat_format
 from tiny_task import buggy_code, main, near_miss, trace_kinds, write_task
 
 SIZES = {"n_train": 40, "n_test": 15, "n_sft": 60}
-MIX = {"direct": 0.5, "tool": 0.3, "fix": 0.2}
+MIX = {"direct": 0.4, "tool": 0.2, "sloppy": 0.2, "fix": 0.2}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def _sft(task):
 
 def test_same_seed_same_files_and_cli_matches(task, tmp_path):
     main([str(tmp_path / "cli"), "--seed", "3", "--n-train", "40", "--n-test", "15", "--n-sft", "60",
-          "--direct", "0.5", "--tool", "0.3", "--fix", "0.2"])
+          "--direct", "0.4", "--tool", "0.2", "--sloppy", "0.2", "--fix", "0.2"])
     for split, path in task.items():
         assert (tmp_path / "cli" / path.name).read_bytes() == path.read_bytes(), split
     other = write_task(tmp_path / "seed4", seed=4, mix=MIX, **SIZES)
@@ -77,7 +77,7 @@ def test_sft_conversations_render_and_follow_their_trace_kind(task):
         final = msgs[-1]["content"]
         numbers = set(re.findall(r"\d+", msgs[0]["content"]))
         thought = msgs[1]["content"].split("</reason>")[0]  # decision word, then the problem's numbers restated
-        assert thought.split(":")[0] == {"direct": "Guess", "tool": "Tool", "fix": "Tool"}[row["kind"]]
+        assert thought.split(":")[0] == {"direct": "Guess", "tool": "Tool", "sloppy": "Tool", "fix": "Tool"}[row["kind"]]
         assert numbers - {"1"} <= set(re.findall(r"\d+", thought)) <= numbers  # ("1" of "1..N" is not restated)
         assert final.endswith("</answer>") and "</reason>\n<answer>\\boxed{" in final
         if row["kind"] == "direct":
@@ -85,6 +85,9 @@ def test_sft_conversations_render_and_follow_their_trace_kind(task):
         elif row["kind"] == "tool":
             assert roles == ["user", "assistant", "tool", "assistant"] and final.endswith(f"{{{answer}}}</answer>")
             assert msgs[2]["content"] == f"ok\n{answer}\n"
+        elif row["kind"] == "sloppy":  # the result is printed, then the leftover line fails; the answer is right
+            assert roles == ["user", "assistant", "tool", "assistant"] and final.endswith(f"{{{answer}}}</answer>")
+            assert msgs[2]["content"].startswith(f"error\n{answer}\nTraceback") and "NameError" in msgs[2]["content"]
         else:
             assert roles == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
             assert msgs[2]["content"].startswith("error\n") and msgs[4]["content"] == f"ok\n{answer}\n"
@@ -107,7 +110,7 @@ def test_tool_responses_are_exactly_what_code_tool_renders(task):
 def test_trace_mix_and_direct_answers_follow_the_settings(task):
     rows = _sft(task)
     kinds = [r["kind"] for r in rows]
-    assert {k: kinds.count(k) for k in MIX} == {"direct": 30, "tool": 18, "fix": 12}
+    assert {k: kinds.count(k) for k in MIX} == {"direct": 24, "tool": 12, "sloppy": 12, "fix": 12}
     counts = trace_kinds(1000, {"direct": 0.45, "tool": 0.35, "fix": 0.2}, random.Random(0))
     assert abs(counts.count("tool") - 350) <= 1 and abs(counts.count("fix") - 200) <= 1
     guesses = [(r["messages"][1]["content"], r["answer"]) for r in rows if r["kind"] == "direct"]
