@@ -3,11 +3,11 @@
     python tiny_pipeline.py                 # about 20 minutes on 2 cores; writes runs/tiny/summary.json
     python tiny_pipeline.py --quick         # a few steps of each entry point (CI's smoke run)
 
-  1. tiny_model.py   a character-level tokenizer and a ~1M-parameter Qwen2 model (save_pretrained)
+  1. tiny_model.py   a character-level tokenizer and a ~1M-parameter Qwen3 model (save_pretrained)
   2. tiny_task.py    the built-in task: RL problems (two levels), held-out test split, SFT conversations
   3. sft.py          non-reasoning SFT: format and tool use, not the policy
-  4. train.py        RL stage 1 (level 1), stage 2 (longer budget, level 2), stage 3 (the problems the stage-2
-                     policy did not solve k of k times, fresh optimizer) -- report section 6, scaled down
+  4. train.py        RL stage 1 (level 1), stage 2 (longer budget, levels 1 and 2), stage 3 (the level-2 problems
+                     the stage-2 policy did not solve k of k times, fresh optimizer) -- report section 6, scaled down
   5. eval.py         after SFT and after every stage, on the held-out split; stage 3's data comes from eval.py too
 Each step is skipped when its output already exists, so an interrupted pipeline continues where it stopped
 (train.py itself resumes from its last checkpoint). `--fresh` deletes the run folder first.
@@ -56,7 +56,8 @@ def pipeline(root: Path, quick: bool) -> dict:
         run(["sft.py", "configs/tiny/sft.yaml", f"model_path={root / 'base'}", f"data={data / 'sft.jsonl'}",
              f"out_dir={root / 'sft'}"] + (QUICK["sft"] if quick else []))
     results = {"sft": evaluate(root, "sft", quick)}
-    stage_data = {1: [data / "train_level1.jsonl"], 2: [data / "train_level2.jsonl"], 3: [data / "stage3.jsonl"]}
+    stage_data = {1: [data / "train_level1.jsonl"], 2: [data / "train_level1.jsonl", data / "train_level2.jsonl"],
+                  3: [data / "stage3.jsonl"]}
     previous = "sft"
     for stage in (1, 2, 3):
         name = f"stage{stage}"
@@ -98,6 +99,24 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def plot_stages(results: dict, png) -> None:
+    """The held-out metrics after each stage (the pipeline's plot): pass@1, tool-error rate in correct rollouts,
+    tool calls per rollout and response length; the per-step curves of each RL stage are in its curves.png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [("pass@1", "held-out pass@1"), ("tool_error_rate_in_correct", "tool-error rate in correct rollouts"),
+              ("tool_calls_mean", "tool calls per rollout"), ("response_tokens_mean", "response tokens")]
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
+    for ax, (key, title) in zip(axes, panels):
+        values = [results[s][key] if results[s][key] is not None else float("nan") for s in STAGES]
+        ax.plot(STAGES, values, marker="o")
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default="runs/tiny", help="run folder (default runs/tiny)")
@@ -111,9 +130,11 @@ def main(argv=None) -> None:
     results = pipeline(root, args.quick)
     summary = summarize(results, time.time() - start)
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot_stages(results, root / "summary.png")
     print("\n" + table(results))
     print(f"\nsft -> stage3: {100 * summary['sft_accuracy']:.1f}% -> {100 * summary['stage3_accuracy']:.1f}% "
-          f"({summary['gain_points']:+.1f} points) in {summary['wall_seconds']:.0f} s; wrote {root / 'summary.json'}")
+          f"({summary['gain_points']:+.1f} points) in {summary['wall_seconds']:.0f} s; wrote {root / 'summary.json'} and "
+          f"{root / 'summary.png'}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ def test_quick_pipeline_runs_every_stage_and_writes_the_summary(tmp_path):
     for stage in ("sft", "stage1", "stage2", "stage3"):
         assert 0.0 <= summary[f"{stage}_accuracy"] <= 1.0
         assert stage in summary["tool_error_rate_in_correct"] and summary["mean_response_tokens"][stage] > 0
-    assert summary["wall_seconds"] > 0
+    assert summary["wall_seconds"] > 0 and (tmp_path / "tiny" / "summary.png").stat().st_size > 1000
     for stage in ("stage1", "stage2", "stage3"):
         rows = [json.loads(x) for x in (tmp_path / "tiny" / stage / "metrics.jsonl").read_text().splitlines()]
         assert len(rows) == 2 and all(0.0 <= r["rollout/reward_mean"] <= 1.0 for r in rows)  # reward computed
