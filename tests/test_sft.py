@@ -210,19 +210,21 @@ def _sft_rows(out):
 def test_sigkill_then_resume_matches_the_uninterrupted_run(tiny, tmp_path):
     root, base, data = tiny
     # 16 conversations in micro-batches of 2: 8 per epoch, 3 per optimizer step -> steps end after micro-batches
-    # 3, 6 and 8 (a partial one at the epoch's end); checkpoints at steps 2 and 4 fall inside epochs 0 and 1.
+    # 3, 6 and 8 (a partial one at the epoch's end). The first kill leaves checkpoint 3, at the end of epoch 0;
+    # the second leaves checkpoint 4, inside epoch 1.
     args = [f"model_path={base}", f"data={data}", "epochs=2", "lr=3e-3", "batch_size=6", "micro_batch_size=2",
-            "log_every=1", "save_every=2", "system_prompt=compact", "user_instruction="]
+            "log_every=1", "save_every=1", "system_prompt=compact", "user_instruction="]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     subprocess.run([sys.executable, "sft.py", f"out_dir={straight}"] + args, cwd=ROOT, env=env, check=True,
                    capture_output=True, timeout=120)
-    for kill_at, resumed_at in ((3, 2), (5, 4)):
+    for kill_at, resumed_at in ((4, 3), (5, 4)):
         dead = subprocess.run([sys.executable, "-c", KILLER, str(kill_at), f"out_dir={killed}"] + args, cwd=ROOT,
                               env=env, capture_output=True, text=True, timeout=120)
         assert dead.returncode == -9, dead.stderr[-2000:]
         assert [r["step"] for r in _sft_rows(killed)][-1] == kill_at and not (killed / "model").exists()
         assert (killed / "latest").read_text().strip() == f"checkpoint-{resumed_at}"
+    assert "at step 3 (epoch 1, 0 micro-batches in)" in dead.stdout  # the second run resumed at the epoch boundary
     done = subprocess.run([sys.executable, "sft.py", f"out_dir={killed}"] + args, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
