@@ -11,6 +11,8 @@ final values (mean, standard deviation and spread over seeds):
   tool_error_rate_in_correct  failed calls / calls, in the reward-1 rollouts of each training step
   response_tokens             mean response length of the training rollouts (tool text included)
   tool_calls                  tool calls per training rollout
+  kept_tool_error_rate_in_correct   the same error rate over the positives the update used (after RoC): the gap to
+                              tool_error_rate_in_correct is what the resampling filtered out (none for grpo)
 Training-rollout curves are smoothed with a trailing mean over `--smooth` steps; "final" is the mean of the last
 `--smooth` steps (the last eval for accuracy). Every run is a plain train.py invocation (printed as it starts) in
 its own folder, so an interrupted ablation continues where it stopped (train.py resumes; finished runs are skipped).
@@ -35,7 +37,8 @@ ARMS = {
 METRICS = [("accuracy", "eval/accuracy", False),
            ("tool_error_rate_in_correct", "rollout/tool_error_rate_in_correct", True),
            ("response_tokens", "rollout/response_tokens_mean", True),
-           ("tool_calls", "rollout/tool_calls_mean", True)]
+           ("tool_calls", "rollout/tool_calls_mean", True),
+           ("kept_tool_error_rate_in_correct", "roc/tool_error_rate_in_correct", True)]
 
 
 def run_arm(arm: str, seed: int, args) -> Path:
@@ -105,7 +108,8 @@ def plot(curves: dict, root: Path) -> list[Path]:
                             alpha=0.2)
         ax.set_title(name.replace("_", " "), fontsize=10)
         ax.set_xlabel("RL step")
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
         fig.tight_layout()
         paths.append(root / f"ablation_{name}.png")
         fig.savefig(paths[-1], dpi=90)
