@@ -9,6 +9,7 @@ Then it draws one PNG per metric with the arms overlaid (mean over seeds, min-ma
 final values (mean, standard deviation and spread over seeds):
   accuracy                    held-out accuracy (train.py's periodic eval: eval/accuracy, temperature 0.6)
   tool_error_rate_in_correct  failed calls / calls, in the reward-1 rollouts of each training step
+  ..._run_mean                the same, averaged from step 1 (its final value: the mean over the whole run)
   response_tokens             mean response length of the training rollouts (tool text included)
   tool_calls                  tool calls per training rollout
   kept_tool_error_rate_in_correct   the same error rate over the positives the update used (after RoC): the gap to
@@ -33,9 +34,12 @@ ARMS = {
     "grpo": ["roc_mode=off", "rollouts_per_prompt=4", "group_size=4"],
     "lowest": ["roc_mode=lowest", "rollouts_per_prompt=8", "group_size=4"],
 }
-# (name in the outputs, metrics.jsonl key, smoothed?)
+# (name in the outputs, metrics.jsonl key, smoothing: True = trailing mean over --smooth steps, False = none,
+# RUN = cumulative mean from step 1, so its final value is the mean over the whole run: how fast errors went)
+RUN = "run"
 METRICS = [("accuracy", "eval/accuracy", False),
            ("tool_error_rate_in_correct", "rollout/tool_error_rate_in_correct", True),
+           ("tool_error_rate_in_correct_run_mean", "rollout/tool_error_rate_in_correct", RUN),
            ("response_tokens", "rollout/response_tokens_mean", True),
            ("tool_calls", "rollout/tool_calls_mean", True),
            ("kept_tool_error_rate_in_correct", "roc/tool_error_rate_in_correct", True)]
@@ -125,7 +129,8 @@ def collect(root: Path, arms, seeds, smooth: int) -> dict:
             log = root / f"{arm}-seed{seed}" / "metrics.jsonl"
             rows = [json.loads(line) for line in log.read_text().splitlines()]
             for name, key, smoothed in METRICS:
-                curves[arm][name].append(curve(rows, key, smooth if smoothed else 1))
+                window = len(rows) if smoothed == RUN else smooth if smoothed else 1
+                curves[arm][name].append(curve(rows, key, window))
     return curves
 
 
