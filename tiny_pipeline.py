@@ -70,9 +70,11 @@ def pipeline(root: Path, quick: bool) -> dict:
         if not (root / name / "model" / "config.json").is_file():
             # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report section 6).
             extra = [f"optimizer_from={root / 'stage1'}"] if stage == 2 else []
+            # Held-out curves during stage 1 only; every stage's final model is evaluated below with eval.py.
+            evals = [f"eval_data={data / 'test.jsonl'}"] if stage == 1 else ["eval_data=null"]
             run(["train.py", f"configs/tiny/{name}.yaml", f"model_path={root / previous / 'model'}",
-                 "data=[" + ",".join(map(str, stage_data[stage])) + "]", f"out_dir={root / name}",
-                 f"eval_data={data / 'test.jsonl'}"] + extra + (QUICK["train"] if quick else []))
+                 "data=[" + ",".join(map(str, stage_data[stage])) + "]", f"out_dir={root / name}"]
+                + evals + extra + (QUICK["train"] if quick else []))
         results[name] = evaluate(root, name, quick)
         previous = name
     return results
