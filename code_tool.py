@@ -571,9 +571,8 @@ class CodeTool:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")}  # no secrets
         env.update(LANG="C.UTF-8", HOME="/tmp", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         light = [m for m in preload if m in sys.stdlib_module_names]
-        self.light_workers = 0 if len(light) == len(preload) else \
-            min(self.workers - 1, self.workers // 2 if light_workers is None else light_workers)
-        self.light_workers = max(self.light_workers, 0)
+        wanted = self.workers // 2 if light_workers is None else light_workers
+        self.light_workers = 0 if len(light) == len(preload) else max(0, min(self.workers - 1, wanted))
         serve = [*prefix, sys.executable, os.path.abspath(__file__), "--serve"]
         self._jobs = _JobBoard()
         self._servers = [_Server(serve + [",".join(light if i < self.light_workers else preload)], env,

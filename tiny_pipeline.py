@@ -71,7 +71,7 @@ def pipeline(root: Path, quick: bool) -> dict:
             # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report section 6).
             extra = [f"optimizer_from={root / 'stage1'}"] if stage == 2 else []
             # Held-out curves during stage 1 only; every stage's final model is evaluated below with eval.py.
-            evals = [f"eval_data={data / 'test.jsonl'}"] if stage == 1 else ["eval_data=null"]
+            evals = [f"eval_data={data / 'test.jsonl'}"] if stage == 1 else []
             run(["train.py", f"configs/tiny/{name}.yaml", f"model_path={root / previous / 'model'}",
                  "data=[" + ",".join(map(str, stage_data[stage])) + "]", f"out_dir={root / name}"]
                 + evals + extra + (QUICK["train"] if quick else []))
