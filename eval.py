@@ -81,7 +81,7 @@ class EvalConfig:
     system_prompt: str = "default"        # "default", a preset name ("compact") or the text itself
     user_instruction: str = DEFAULT_USER_INSTRUCTION
     sampler: str = "hf"                   # hf (transformers generate, CPU/GPU) | vllm (GPU)
-    batch_size: int = 64                  # rollouts per rollout() call; hf: also per generate call (vllm: raise it)
+    batch_size: int = 64                  # rollouts per rollout() call; hf: also decoding slots (vllm: raise it)
     limit: int = 0                        # first N problems of each benchmark (0: all), for quick runs
     seed: int = 0
     unsolved_out: str | None = None       # write problems solved < k of k times here (stage-3 data, report sec. 6)

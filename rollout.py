@@ -18,17 +18,17 @@ Implements section 2 of rstar2-agent.md (the protocol lives in `protocol.py`; th
   text is the tool response and it counts as a failed call, as does any ToolResult that is not "ok".
 - Truncated rollouts ("length", "max_turns") are kept; the caller scores them (usually reward 0).
 
-Scheduling: all rollouts of a step advance together. Each round generates one turn for every unfinished rollout in
-one sampler call, then submits that round's tool calls to the code tool (`tool.submit`, concurrent workers).
-With `overlap=True` the rollouts are split into two halves that take turns: while one half generates, the other
-half's tool calls run, so tool time hides behind generation. This is a scaled-down form of the report's
-asynchronous tool dispatch (section 8), not its KV-cache-aware load balancer. Finished rollouts drop out.
-bench/rollout.py measures both settings: on the CPU the tool's share of the wall time is about 1% either way (the
-calls are short and run in worker processes), so the overlap matters where generation is fast (GPUs) or calls slow.
+Scheduling (the report's asynchronous tool dispatch, section 8, on one engine): every rollout is a request on the
+sampler (`add`), which batches them continuously. When a turn finishes (`step`), its tool call is submitted to the
+code tool at once (`tool.submit`, concurrent workers); when the result is back, the conversation is added again and
+joins the running batch on the next step, while the others keep generating. So tool time hides behind generation
+and nobody waits for the longest turn of a round. With `sync_turns=True` every turn instead waits for all tool
+calls of the batch before generation goes on: which requests share a step (and so, under a fixed seed, what is
+sampled) then does not depend on how fast the tool answered; slower, for exact reruns.
 
-Left out: more than one call per turn (only the first runs, as the report says), per-turn token limits, and
-re-using the KV cache across turns (each turn re-reads the whole context; vLLM's prefix cache recovers that).
+Left out: more than one call per turn (only the first runs, as the report says) and per-turn token limits.
 """
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
@@ -155,39 +155,52 @@ def _decode_turn(tokenizer, ids: list[int], stopped: bool) -> str:
 
 
 def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_response_tokens: int,
-            max_turns: int, temperature: float = 1.0, top_p: float = 1.0, overlap: bool = True,
+            max_turns: int, temperature: float = 1.0, top_p: float = 1.0, sync_turns: bool = False,
             progress: bool = False) -> list[Trajectory]:
     """Play out every problem (N = len(problems); repeat a problem 2G times for a group) and return N Trajectories
-    in the same order. sampler: see sampler.py; tool: a CodeTool (only `submit` is used)."""
+    in the same order. sampler: see sampler.py (`add`, `step`, `has_work`); tool: a CodeTool (only `submit`)."""
     trajs = [Trajectory(p, tokenizer.encode(fmt.prompt(p), add_special_tokens=False)) for p in problems]
-    n_groups = 2 if overlap and len(trajs) > 1 else 1
-    groups = [list(range(g, len(trajs), n_groups)) for g in range(n_groups)]
-    in_flight: list[list] = [[] for _ in groups]  # per group: (index, ToolCall, Future | None) from its last turn
+    for i, traj in enumerate(trajs):
+        sampler.add(i, traj.prompt_ids, max_response_tokens, temperature, top_p)
+    running = len(trajs)  # rollouts not yet ended
+    in_flight: dict[Future, tuple[int, ToolCall]] = {}  # tool calls submitted, not yet read
     bar = tqdm(total=len(trajs), desc="rollouts", unit="rollout", disable=not progress)
-    while any(groups):
-        for g in range(n_groups):
-            # 1. Tool results of this group's previous turn (they ran while the other group generated).
-            for i, call, future in in_flight[g]:
-                result = None if future is None else future.result()
-                append_tool_response(trajs[i], call, result, tokenizer, max_response_tokens)
-            in_flight[g] = []
-            done = [i for i in groups[g] if trajs[i].end_reason is not None]
-            groups[g] = [i for i in groups[g] if trajs[i].end_reason is None]
-            bar.update(len(done))
-            if not groups[g]:
-                continue
-            # 2. One turn for every unfinished rollout of the group, in one sampler call.
-            active = [trajs[i] for i in groups[g]]
-            completions = sampler.generate([t.prompt_ids + t.response_ids for t in active],
-                                           [max_response_tokens - len(t.response_ids) for t in active],
-                                           temperature, top_p)
-            # 3. Record the turns and submit their tool calls; results are collected on the group's next visit.
-            for i, traj, c in zip(groups[g], active, completions):
-                append_sampled(traj, c)
-                call = end_turn(traj, _decode_turn(tokenizer, c.token_ids, c.stopped), c.stopped, max_turns)
-                if call is not None:
-                    future = tool.submit(call.code, call.stdin) if call.error is None else None
-                    in_flight[g].append((i, call, future))
+
+    def answer(i: int, call: ToolCall, result) -> None:
+        """Append the tool's answer; the rollout then goes on (a new request) or has ended."""
+        nonlocal running
+        traj = trajs[i]
+        append_tool_response(traj, call, result, tokenizer, max_response_tokens)
+        if traj.end_reason is None:
+            sampler.add(i, traj.prompt_ids + traj.response_ids, max_response_tokens - len(traj.response_ids),
+                        temperature, top_p)
+        else:
+            running -= 1
+            bar.update(1)
+
+    while running:
+        # 1. Generate: the turns that finished in this step are recorded; their tool calls start at once.
+        for i, c in sampler.step() if sampler.has_work() else []:
+            traj = trajs[i]
+            append_sampled(traj, c)
+            call = end_turn(traj, _decode_turn(tokenizer, c.token_ids, c.stopped), c.stopped, max_turns)
+            if call is None:
+                running -= 1
+                bar.update(1)
+            elif call.error is not None:
+                answer(i, call, None)  # a malformed call never reaches the tool
+            else:
+                in_flight[tool.submit(call.code, call.stdin)] = (i, call)
+        # 2. Read the tool results that are back; with nothing left to generate, wait for them.
+        if sync_turns:
+            ready = [] if sampler.has_work() else list(wait(in_flight).done)
+        elif sampler.has_work():
+            ready = [f for f in in_flight if f.done()]
+        else:
+            ready = list(wait(in_flight, return_when=FIRST_COMPLETED).done) if in_flight else []
+        for future in sorted(ready, key=lambda f: in_flight[f][0]):  # a fixed order of re-adding
+            i, call = in_flight.pop(future)
+            answer(i, call, future.result())
     bar.close()
     return trajs
 

@@ -25,7 +25,8 @@ Ranks keep different numbers of rollouts after dropping equal groups, so the num
 first and ranks with fewer run empty (mask-0) micro-batches: every rank joins every collective.
 
 Not here: a KL term or reference model, an entropy bonus (see grpo_roc.py); the report's load-balancing rollout
-scheduler (design section 8: rollouts are batched per step, tool calls overlap generation inside rollout.py).
+balancer across engines (design section 8); within a rank, rollout.py batches continuously and dispatches each tool
+call the moment its turn ends.
 """
 import contextlib
 import json
@@ -82,7 +83,7 @@ class TrainConfig:
     system_prompt: str = "default"        # "default", a preset name ("compact") or the text itself
     user_instruction: str = "Put the final answer inside <answer> </answer> as \\boxed{...}."
     sampler: str = "hf"                   # hf (transformers generate, CPU/GPU) | vllm (GPU)
-    rollout_batch_size: int = 64          # sequences per generate call (hf)
+    rollout_batch_size: int = 64          # requests decoded together, hf sampler slots
     vllm_gpu_memory_utilization: float = 0.5
     vllm_tensor_parallel_size: int = 1
     # --- code tool (report section 5)

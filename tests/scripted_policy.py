@@ -14,14 +14,14 @@ import re
 import torch
 
 from protocol import IM_END, format_tool_call
-from sampler import Completion, model_checksum
+from sampler import Completion, TurnSampler, model_checksum
 
 
 def say_problems(n: int, start: int = 1) -> list[dict]:
     return [{"problem": f"Say {i}.", "answer": str(i)} for i in range(start, start + n)]
 
 
-class ScriptedSampler:
+class ScriptedSampler(TurnSampler):
     def __init__(self, model, tokenizer, use_rng: bool = False):
         self.model, self.tok, self.use_rng = model, tokenizer, use_rng
         self.im_end = tokenizer.convert_tokens_to_ids(IM_END)

@@ -85,6 +85,6 @@ def test_check_model_path_accepts_a_model_folder_or_hub_id_only(tmp_path):
     (tmp_path / "model" / "config.json").write_text("{}")
     check_model_path(str(tmp_path / "model"))
     check_model_path("Qwen/Qwen3-14B-Base")  # a hub id is left to transformers
-    for bad in [str(tmp_path), str(tmp_path / "missing"), "", "runs/tiny/base/", "./model", "name"]:
+    for bad in [str(tmp_path), str(tmp_path / "missing"), "", "no_such_run/tiny/base/", "./model", "name"]:
         with pytest.raises(ValueError, match="not a model folder"):
             check_model_path(bad)

@@ -12,7 +12,7 @@ import eval as ev
 from config import load_config
 from protocol import IM_END, format_tool_call
 from rollout import ToolCallRecord, Trajectory
-from sampler import Completion
+from sampler import Completion, TurnSampler
 from tiny_model import build_tiny, build_tokenizer
 
 TOK = build_tokenizer()
@@ -160,7 +160,7 @@ def test_hub_parquet_without_pyarrow_and_offline_hub_say_what_to_do(tmp_path, mo
 
 
 # ------------------------------------------------------------------------------------------ scripted sampler
-class ScriptedSampler:
+class ScriptedSampler(TurnSampler):
     """A: one good call, then the right answer. B: right, right, wrong (2 of 3). C: one malformed call, then wrong."""
 
     def __init__(self):

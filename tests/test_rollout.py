@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from protocol import IM_END, TOOL_NAME, chat_format, format_tool_call, parse_tool_call, tool_response_turn
 from rollout import PARSE_ERROR, Trajectory, means, rollout, rollout_sums
-from sampler import Completion, HFSampler
+from sampler import Completion, HFSampler, TurnSampler
 from tiny_model import build_tiny, build_tokenizer
 
 FMT = chat_format("compact")
@@ -52,7 +52,7 @@ class FakeTool:
         return future
 
 
-class ScriptedSampler:
+class ScriptedSampler(TurnSampler):
     """Plays fixed turn texts per problem (the problem is recognised in the prompt), respecting max_new_tokens;
     every sampled token gets log-prob -0.25. Records every batch and every token id it produced."""
 
@@ -203,20 +203,65 @@ def test_budget_that_cannot_hold_the_tool_response_appends_nothing():
 
 
 # ------------------------------------------------------------------------------------------------ batching
-@pytest.mark.parametrize("overlap", [True, False])
-def test_batch_keeps_order_and_finished_rollouts_drop_out(overlap):
+@pytest.mark.parametrize("sync_turns", [False, True])
+def test_batch_keeps_order_and_finished_rollouts_drop_out(sync_turns):
     scripts = {"Q0": [ANSWER_TURN], "Q1": [CALL_TURN, CALL_TURN, ANSWER_TURN], "Q2": [CALL_TURN, ANSWER_TURN],
                "Q3": [CALL_TURN, CALL_TURN, CALL_TURN, ANSWER_TURN]}
-    trajs, sampler = run(scripts, overlap=overlap)
+    trajs, sampler = run(scripts, sync_turns=sync_turns)
     assert [t.problem for t in trajs] == list(scripts)
     assert [t.num_turns for t in trajs] == [1, 3, 2, 4] and all(t.end_reason == "answer" for t in trajs)
-    assert sum(sampler.batches) == 10  # one generation per turn, nothing regenerated
-    if overlap:  # halves {Q0, Q2} and {Q1, Q3} take turns
-        assert sampler.batches == [2, 2, 1, 2, 2, 1]
-    else:
-        assert sampler.batches == [4, 3, 2, 1]
+    assert sampler.batches == [4, 3, 2, 1]  # one generation per turn, nothing regenerated
     stats = means(rollout_sums(trajs, [1.0, 0.0, 1.0, 0.0]))
     assert stats["tool_calls_mean"] == 6 / 4 and stats["turns_mean"] == 10 / 4 and stats["reward_mean"] == 0.5
+
+
+class OneTokenPerStep:
+    """A continuous-batching fake: each request emits its scripted turn one token per `step`; `log` records the
+    step count at which each request was added and finished."""
+
+    def __init__(self, scripts: dict[str, list[str]]):
+        self.scripts, self.turn, self.clock, self.running, self.log = scripts, {}, 0, [], []
+
+    def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0):
+        problem = next(p for p in self.scripts if p in TOK.decode(prompt))
+        k = self.turn[problem] = self.turn.get(problem, -1) + 1
+        full = TOK.encode(self.scripts[problem][k], add_special_tokens=False) + [IM_END_ID]
+        self.running.append({"key": key, "problem": problem, "ids": full[:max_new_tokens], "done": 0,
+                             "stopped": len(full) <= max_new_tokens})
+        self.log.append(("add", problem, self.clock))
+
+    def has_work(self):
+        return bool(self.running)
+
+    def step(self):
+        self.clock += 1
+        out = []
+        for r in list(self.running):
+            r["done"] += 1
+            if r["done"] == len(r["ids"]):
+                self.running.remove(r)
+                self.log.append(("finish", r["problem"], self.clock))
+                out.append((r["key"], Completion(r["ids"], [-0.5] * len(r["ids"]), r["stopped"])))
+        return out
+
+
+@pytest.mark.parametrize("sync_turns", [False, True])
+def test_a_rollout_back_from_the_tool_rejoins_while_others_generate(sync_turns):
+    """Q0 calls the tool in a short first turn; Q1 writes one long turn. Continuous: Q0's second turn is added the
+    step after its first ended, long before Q1 finishes. sync_turns: it waits until Q1 has finished."""
+    scripts = {"Q0": [CALL_TURN, ANSWER_TURN], "Q1": ["Think. " * 40 + ANSWER_TURN]}
+    sampler = OneTokenPerStep(scripts)
+    trajs = rollout(list(scripts), sampler, FakeTool(), TOK, FMT, 2000, 5, sync_turns=sync_turns)
+    assert [t.num_turns for t in trajs] == [2, 1] and all(t.end_reason == "answer" for t in trajs)
+    when = {(event, problem): clock for event, problem, clock in sampler.log}  # the last of each kind
+    first_turn = len(TOK.encode(CALL_TURN, add_special_tokens=False)) + 1
+    q1_end = len(TOK.encode(scripts["Q1"][0], add_special_tokens=False)) + 1
+    assert when["finish", "Q1"] == q1_end
+    if sync_turns:
+        assert when["add", "Q0"] == q1_end
+    else:
+        assert when["add", "Q0"] == first_turn < q1_end
+        assert when["finish", "Q0"] == first_turn + len(TOK.encode(ANSWER_TURN, add_special_tokens=False)) + 1
 
 
 def test_no_logprobs_from_the_sampler_gives_none():

@@ -63,24 +63,75 @@ def test_hf_sampler_logprobs_match_a_fresh_forward_pass(tiny, temperature):
         assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-4)
 
 
-def test_hf_sampler_regroups_stragglers_without_changing_the_contract(tiny, monkeypatch):
-    """Four of five rows use up a 2-token budget; the fifth continues alone in a new call, and its log-probs
-    (partly from a re-read context) still match a fresh forward pass."""
+def fresh_logprobs(model, prompt, completion, temperature=1.0):
+    """log softmax(logits / T)[token] of each completion token, from one forward pass over prompt + completion."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+
+
+def spy_forward(model, monkeypatch) -> list[tuple[int, int]]:
+    """Record the (rows, new tokens) shape of every forward call the sampler makes (build the sampler first: it
+    reads the forward's keyword names)."""
+    shapes, real = [], model.forward
+    monkeypatch.setattr(model, "forward", lambda input_ids, **kw: shapes.append(tuple(input_ids.shape))
+                        or real(input_ids=input_ids, **kw))
+    return shapes
+
+
+def test_hf_sampler_drops_finished_rows_at_once(tiny, monkeypatch):
+    """Four of five rows use up a 2-token budget: from the third forward on, only the fifth row is computed, and its
+    log-probs still match a fresh forward pass."""
     _, tok, model = tiny
-    widths = []
-    real_generate = model.generate
-    monkeypatch.setattr(model, "generate", lambda **kw: widths.append(kw["input_ids"].shape) or real_generate(**kw))
     sampler = HFSampler(model, tok, batch_size=8, stop_ids=[])  # no stop id: every row runs its budget out
+    shapes = spy_forward(model, monkeypatch)
     prompts = prompts_of(tok, ["a", "b", "c", "d", "the long one"])
     torch.manual_seed(0)
     out = sampler.generate(prompts, [2, 2, 2, 2, 30], temperature=1.0)
     assert [len(c.token_ids) for c in out] == [2, 2, 2, 2, 30] and not any(c.stopped for c in out)
-    assert [w[0] for w in widths] == [5, 1] and widths[1][1] == len(prompts[4]) + 2
-    ids = torch.tensor([prompts[4] + out[4].token_ids])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompts[4]) - 1:-1]
-    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out[4].token_ids)[:, None])[:, 0]
-    assert torch.allclose(torch.tensor(out[4].logprobs), expected, atol=1e-4)
+    assert shapes == [(5, len(prompts[4])), (5, 1)] + [(1, 1)] * 28  # prefill, one step of all, then one row
+    for p, c in zip(prompts, out):
+        assert torch.allclose(torch.tensor(c.logprobs), fresh_logprobs(model, p, c), atol=1e-4)
+
+
+def test_hf_sampler_reuses_the_keys_and_values_of_earlier_turns(tiny, monkeypatch):
+    """Turn 2 of a conversation (turn-1 prompt + its completion + a tool response) reads only the new tokens; rows
+    with and without a stored prefix, of different lengths, share a batch; log-probs match a fresh forward pass and
+    greedy tokens equal those of a sampler without the prefix store."""
+    _, tok, model = tiny
+    sampler = HFSampler(model, tok, batch_size=8)
+    first = prompts_of(tok, ["Compute 12*34.", "x", "a longer prompt with more tokens"])
+    torch.manual_seed(1)
+    turn1 = sampler.generate(first, [15, 25, 20], temperature=1.0)
+    assert len(sampler.prefixes.entries) == 3
+    tool = prompts_of(tok, ["<tool_response>ok 408</tool_response>", "ok", "<tool_response>error</tool_response>"])
+    second = [p + c.token_ids + t for p, c, t in zip(first, turn1, tool)]
+    second.append(prompts_of(tok, ["a new prompt, nothing stored"])[0])
+    plain = HFSampler(model, tok, batch_size=8, prefix_cache_rows=0)
+    shapes = spy_forward(model, monkeypatch)
+    torch.manual_seed(2)
+    turn2 = sampler.generate(second, [30, 30, 30, 30], temperature=0.7)
+    new_tokens = [len(t) + 1 for t in tool] + [len(second[3])]  # the last sampled token of turn 1 was never fed
+    assert shapes[0] == (4, max(new_tokens))
+    assert len(sampler.prefixes.entries) == 4  # the three used entries were taken out, four new ones put in
+    for p, c in zip(second, turn2):
+        assert torch.allclose(torch.tensor(c.logprobs), fresh_logprobs(model, p, c, 0.7), atol=1e-4)
+    assert [c.token_ids for c in sampler.generate(second, [30] * 4, temperature=0.0)] \
+        == [c.token_ids for c in plain.generate(second, [30] * 4, temperature=0.0)]
+    sampler.update_weights(model)  # new weights: stored keys and values are stale
+    assert sampler.prefixes.entries == {}
+
+
+def test_hf_sampler_top_p(tiny):
+    """top_p close to 0 keeps only the most likely token: the same tokens as greedy; log-probs stay at T."""
+    _, tok, model = tiny
+    sampler = HFSampler(model, tok, prefix_cache_rows=0)
+    p = prompts_of(tok, ["hello", "a"])
+    greedy = sampler.generate(p, [10, 10], temperature=0.0)
+    narrow = sampler.generate(p, [10, 10], temperature=0.8, top_p=1e-6)
+    assert [c.token_ids for c in narrow] == [c.token_ids for c in greedy]
+    for q, c in zip(p, narrow):
+        assert torch.allclose(torch.tensor(c.logprobs), fresh_logprobs(model, q, c, 0.8), atol=1e-4)
 
 
 def test_hf_sampler_is_seedable_keeps_order_and_restores_train_mode(tiny):
@@ -171,6 +222,7 @@ class FakeLLM:
 
     def __init__(self, **kwargs):
         self.kwargs, self.log, self.model = kwargs, [], None
+        self.llm_engine = FakeEngine(self)
         FakeLLM.instances.append(self)
 
     def get_tokenizer(self):
@@ -190,6 +242,7 @@ class FakeLLM:
 
     def sleep(self, level=1):
         self.log.append(("sleep", level))
+        assert not self.llm_engine.requests, "sleeping with requests in flight"
 
     def wake_up(self, tags=None):
         self.log.append(("wake_up", tuple(tags)))
@@ -199,6 +252,31 @@ class FakeLLM:
 
     def reset_prefix_cache(self):
         self.log.append(("reset_prefix_cache",))
+
+
+class FakeEngine:
+    """Shaped like vllm's LLMEngine: add_request(request_id, prompt, params); step() -> RequestOutputs, here one
+    more token per request per step, `finished` once its script (as FakeLLM's) is done."""
+
+    def __init__(self, llm):
+        self.llm, self.requests = llm, {}
+
+    def add_request(self, request_id, prompt, params):
+        self.llm.log.append(("add_request", request_id, prompt, params))
+        (out,) = self.llm.generate([prompt], [params])
+        self.llm.log.pop()
+        self.requests[request_id] = [out, 0]
+
+    def step(self):
+        outs = []
+        for request_id, entry in list(self.requests.items()):
+            entry[1] += 1
+            out, n = entry
+            finished = n == len(out.outputs[0].token_ids)
+            outs.append(types.SimpleNamespace(request_id=request_id, finished=finished, outputs=out.outputs))
+            if finished:
+                del self.requests[request_id]
+        return outs
 
 
 @pytest.fixture
@@ -247,6 +325,26 @@ def test_vllm_sampler_sleeps_and_loads_new_weights(fake_vllm, tiny):
     sampler.sleep()
     sampler.generate([[1]], [4])  # generating wakes everything first
     assert llm.log[-2] == ("wake_up", ("weights", "kv_cache")) and llm.log[-1][0] == "generate"
+
+
+def test_vllm_sampler_add_and_step_go_to_the_engine(fake_vllm):
+    """Requests keep the caller's keys, finish out of order (the short one first), and only finished outputs come
+    back from `step`."""
+    sampler = VLLMSampler(llm=FakeLLM(), im_end_id=3)
+    sampler.sleep()
+    sampler.add("long", [1, 2, 3, 4], 10, temperature=0.5)
+    sampler.add("short", [9], 10)
+    llm = FakeLLM.instances[-1]
+    assert llm.log[1] == ("wake_up", ("weights", "kv_cache"))  # adding wakes the engine first
+    (_, rid, prompt, params), = [e for e in llm.log if e[0] == "add_request" and e[1] == "0"]
+    assert prompt == {"prompt_token_ids": [1, 2, 3, 4]} and params.max_tokens == 10 and params.temperature == 0.5
+    finished = []
+    while sampler.has_work():
+        finished += sampler.step()
+    assert [key for key, _ in finished] == ["short", "long"]
+    assert dict(finished)["long"].token_ids == [7, 8, 9, 10, 3] and dict(finished)["long"].stopped
+    assert dict(finished)["short"].logprobs == pytest.approx([-0.1, -0.2])
+    sampler.sleep()
 
 
 def test_sampler_module_does_not_import_vllm_at_load():

@@ -57,8 +57,9 @@ def test_two_ranks_with_half_the_prompts_each_match_one_rank_with_all(tiny, tmp_
     assert [r["world_size"] for r in ranks] == [2, 2]
     assert ranks[0]["checksum"] == ranks[1]["checksum"] and ranks[0]["weights"] == ranks[1]["weights"]
     w1, w2 = weights(one), weights(two)
-    for name in w1:
-        assert (w2[name] - w1[name]).abs().max() <= 2e-6, (name, (w2[name] - w1[name]).abs().max().item())
+    for name in w1:  # float32 sums in another order (all-reduce); Adam's 1/sqrt(v) enlarges that noise where a
+        # gradient is near 0: up to 3.1e-6 seen after 3 steps at lr 1e-2, so the bound is 1e-5 (the lr is 1e-2)
+        assert (w2[name] - w1[name]).abs().max() <= 1e-5, (name, (w2[name] - w1[name]).abs().max().item())
     m1, m2 = metrics(one), metrics(two)
     assert [r["rollout/reward_mean"] for r in m1] == [r["rollout/reward_mean"] for r in m2]  # reduced over ranks
     for a, b in zip(m1, m2):
