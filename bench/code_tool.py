@@ -11,6 +11,7 @@ Run: `.venv/bin/python bench/code_tool.py [--quick] [--workers W]`.
 """
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -73,6 +74,35 @@ def ours(tool: CodeTool, code: str, in_flight: int, n: int) -> tuple[float, floa
     return summarize(latencies, wall)
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of a process, its reaped children, and (recursively) its live children, from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total = sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                total += sum(tree_cpu(int(c)) for c in f.read().split())
+    except OSError:  # it ended meanwhile
+        return 0.0
+    return total
+
+
+def cpu_per_call(tool: CodeTool, n: int) -> tuple[float, float, float]:
+    """CPU ms per trivial call at 16 in flight: (plain interpreter, CodeTool servers with their call children,
+    CodeTool caller side). All of it is spent on the same 2 cores, so it bounds the throughput."""
+    def spent(who):
+        r = resource.getrusage(who)
+        return r.ru_utime + r.ru_stime
+    before = spent(resource.RUSAGE_CHILDREN)
+    plain(TRIVIAL, 16, n // 4)
+    plain_ms = (spent(resource.RUSAGE_CHILDREN) - before) / (n // 4) * 1e3
+    pids = [server.proc.pid for server in tool._servers]
+    servers, caller = sum(map(tree_cpu, pids)), spent(resource.RUSAGE_SELF)
+    ours(tool, TRIVIAL, 16, n)
+    return plain_ms, (sum(map(tree_cpu, pids)) - servers) / n * 1e3, (spent(resource.RUSAGE_SELF) - caller) / n * 1e3
+
+
 def soak(tool: CodeTool, n: int, in_flight: int) -> dict:
     """n calls, every tenth hostile; lost = an honest call without its right answer, hung = no result in time."""
     calls = [HOSTILE[(i // 10) % 3] if i % 10 == 9 else f"print({i} * {i})" for i in range(n)]
@@ -107,6 +137,7 @@ def main() -> None:
                 plain_row = plain(code, plain_flight, n_plain)
                 rows.append((name, in_flight, plain_flight, plain_row, ours_row))
                 print(f"  done {name} at {in_flight} in flight", file=sys.stderr)
+        plain_ms, server_ms, caller_ms = cpu_per_call(tool, int(2000 * scale))
     print(f"\n{'workload':<16} {'in flight':>9} | {'plain calls/s':>13} {'p50 ms':>8} {'p99 ms':>8} | "
           f"{'CodeTool calls/s':>16} {'p50 ms':>7} {'p99 ms':>7} | {'speedup':>7}")
     for name, in_flight, plain_flight, (p_rate, p50, p99), (o_rate, o50, o99) in rows:
@@ -122,6 +153,11 @@ def main() -> None:
             print(f"(a) without light servers, {in_flight:>3} in flight: {rate:.1f} calls/s, p50 {p50:.1f} ms, "
                   f"p99 {p99:.1f} ms; with them: {light[0]:.1f} calls/s, p99 {light[2]:.1f} ms "
                   f"({light[0] / rate:.2f}x the throughput)")
+    cores = os.cpu_count() or 1
+    print(f"CPU per trivial call at 16 in flight: plain interpreter {plain_ms:.1f} ms; CodeTool {server_ms + caller_ms:.2f} "
+          f"ms (servers and their call children {server_ms:.2f}, caller {caller_ms:.2f}). On {cores} cores that caps "
+          f"CodeTool at ~{cores * 1e3 / (server_ms + caller_ms):.0f} calls/s and the plain way at "
+          f"~{cores * 1e3 / plain_ms:.0f}: {plain_ms / (server_ms + caller_ms):.1f}x at best")
     if any(r[1] != r[2] for r in rows):
         print(f"* the plain alternative with sympy ran at most {plain_cap} interpreters at once (~50 MB each); "
               "with every core busy its throughput cannot rise with more")

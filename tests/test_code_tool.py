@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import code_tool
-from code_tool import CodeTool, ToolResult, cut_middle
+from code_tool import CHILD_GC_THRESHOLD, CodeTool, ToolResult, cut_middle
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 1.0
@@ -165,6 +165,16 @@ def test_each_call_gets_fresh_random_state(tool):
     code = "import random, numpy\nprint(random.random(), numpy.random.rand())"
     outs = [r.stdout for r in tool.run_batch([(code, "")] * 3)]
     assert len(set(outs)) == 3
+
+
+def test_the_collector_stays_on_with_a_high_threshold_in_the_call(tool):
+    """A short call never pays for a full collection (CHILD_GC_THRESHOLD); a call that builds cycles still gets
+    them collected."""
+    code = ("import gc\nstart = gc.get_stats()[0]['collections']\nprint(gc.isenabled(), gc.get_threshold()[0])\n"
+            "class Node:\n    pass\n"
+            "for _ in range(200_000):\n    a, b = Node(), Node()\n    a.other, b.other = b, a\n"
+            "print(gc.get_stats()[0]['collections'] > start)")
+    assert tool.run(code).stdout == f"True {CHILD_GC_THRESHOLD}\nTrue\n"
 
 
 # ----------------------------------------------------------------------------------- isolation
