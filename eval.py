@@ -80,7 +80,7 @@ class EvalConfig:
     max_turns: int = 30                   # assistant turns (report: 30 at evaluation)
     system_prompt: str = "default"        # "default", a preset name ("compact") or the text itself
     user_instruction: str = DEFAULT_USER_INSTRUCTION
-    sampler: str = "hf"                   # hf (transformers generate, CPU/GPU) | vllm (GPU)
+    sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU)
     batch_size: int = 64                  # rollouts per rollout() call; hf: also decoding slots (vllm: raise it)
     limit: int = 0                        # first N problems of each benchmark (0: all), for quick runs
     seed: int = 0

@@ -82,8 +82,9 @@ class TrainConfig:
     top_p: float = 1.0
     system_prompt: str = "default"        # "default", a preset name ("compact") or the text itself
     user_instruction: str = "Put the final answer inside <answer> </answer> as \\boxed{...}."
-    sampler: str = "hf"                   # hf (transformers generate, CPU/GPU) | vllm (GPU)
+    sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU)
     rollout_batch_size: int = 64          # requests decoded together, hf sampler slots
+    sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
     vllm_gpu_memory_utilization: float = 0.5
     vllm_tensor_parallel_size: int = 1
     # --- code tool (report section 5)
@@ -309,7 +310,8 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     # ---------------------------------------------------------------- 2. rollout: 2G per prompt
     trajs = rollout([p["problem"] for p in problems for _ in range(K)], run.sampler, run.tool, run.tokenizer,
                     run.fmt, max_response_tokens=cfg.max_response_tokens, max_turns=cfg.max_turns,
-                    temperature=cfg.temperature, top_p=cfg.top_p, progress=acc.is_local_main_process)
+                    temperature=cfg.temperature, top_p=cfg.top_p, sync_turns=cfg.sync_turns,
+                    progress=acc.is_local_main_process)
     t_rollout = time.perf_counter() - t0
     # ---------------------------------------------------------------- 3. reward: 0/1 on the final answer
     golds = [problems[i // K]["answer"] for i in range(len(trajs))]
@@ -369,7 +371,7 @@ def held_out_eval(cfg: TrainConfig, run) -> dict:
     problems = run.eval_problems[acc.process_index::acc.num_processes]
     trajs = rollout([p["problem"] for p in problems for _ in range(cfg.eval_samples)], run.sampler, run.tool,
                     run.tokenizer, run.fmt, max_response_tokens=cfg.max_response_tokens, max_turns=cfg.max_turns,
-                    temperature=cfg.eval_temperature, top_p=1.0)
+                    temperature=cfg.eval_temperature, top_p=1.0, sync_turns=cfg.sync_turns)
     verdicts = check_many([extract_answer(t.text) for t in trajs],
                           [problems[i // cfg.eval_samples]["answer"] for i in range(len(trajs))])
     rewards = [float(v.correct) for v in verdicts]

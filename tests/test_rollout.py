@@ -1,6 +1,8 @@
 """rollout.py and the protocol parser: masks, token bookkeeping, limits, batching, hostile tool calls, and a run
 with the tiny model and the real code tool."""
 import json
+import random
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -307,3 +309,27 @@ def test_tiny_model_rollout_with_the_real_code_tool(tmp_path, code_tool):
         assert [s.removesuffix(IM_END) for s in sampled] == t.turns
     # with a random policy and 96 tokens, some rollouts stop on <|im_end|> and some run out of budget
     assert {t.end_reason for t in trajs} >= {"length"}
+
+
+class SlowTool(FakeTool):
+    """Like FakeTool, but each result arrives after a random delay of up to 20 ms (a thread timer)."""
+
+    def submit(self, code, stdin=""):
+        future, done = Future(), super().submit(code, stdin)
+        threading.Timer(random.uniform(0, 0.02), lambda: future.set_result(done.result())).start()
+        return future
+
+
+def test_sync_turns_make_the_schedule_independent_of_tool_timing():
+    """With sync_turns=True, which requests are added at which step is the same whatever the tool's delays, so a
+    seeded sampler sees the same batches; the rollouts are the same too."""
+    scripts = {f"Q{i}": [CALL_TURN] * (i % 3) + [ANSWER_TURN] for i in range(6)}
+    logs = {}
+    for sync_turns in (True, False):
+        for seed in (1, 2):
+            random.seed(seed)
+            sampler = OneTokenPerStep(scripts)
+            trajs = rollout(list(scripts), sampler, SlowTool(), TOK, FMT, 2000, 5, sync_turns=sync_turns)
+            logs[sync_turns, seed] = (sampler.log, [t.response_ids for t in trajs])
+    assert logs[True, 1] == logs[True, 2]
+    assert logs[False, 1][0] != logs[False, 2][0]  # continuous: the steps at which turns rejoin follow the tool

@@ -122,6 +122,27 @@ def test_hf_sampler_reuses_the_keys_and_values_of_earlier_turns(tiny, monkeypatc
     assert sampler.prefixes.entries == {}
 
 
+def test_hf_sampler_admits_requests_while_others_decode(tiny):
+    """Requests join a running batch: a second one after 5 steps (more slots needed), then a prompt longer than all
+    columns used so far (the live rows' keys and values are laid out again). Every log-prob still matches a fresh
+    forward pass, and the keys come back with their completions."""
+    _, tok, model = tiny
+    sampler = HFSampler(model, tok, batch_size=4, stop_ids=[])
+    prompts = prompts_of(tok, ["a", "bb", "a much longer prompt than the others, " * 3])
+    torch.manual_seed(4)
+    sampler.add("first", prompts[0], 40)
+    done = dict(sum((sampler.step() for _ in range(5)), []))
+    sampler.add("second", prompts[1], 20)
+    done |= dict(sum((sampler.step() for _ in range(5)), []))
+    assert len(sampler.live) == 2 and sampler.kv.length < len(prompts[2])  # the long prompt needs more columns
+    sampler.add("third", prompts[2], 10)
+    while sampler.has_work():
+        done |= dict(sampler.step())
+    assert {k: len(c.token_ids) for k, c in done.items()} == {"first": 40, "second": 20, "third": 10}
+    for key, p in zip(["first", "second", "third"], prompts):
+        assert torch.allclose(torch.tensor(done[key].logprobs), fresh_logprobs(model, p, done[key]), atol=1e-4)
+
+
 def test_hf_sampler_top_p(tiny):
     """top_p close to 0 keeps only the most likely token: the same tokens as greedy; log-probs stay at T."""
     _, tok, model = tiny
