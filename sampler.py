@@ -398,9 +398,11 @@ class HFSampler:
 
     def update_weights(self, model) -> None:
         """Colocated (the trainer's own model object): nothing to copy. Otherwise copy the state dict in. Either
-        way the stored keys and values were computed with the old weights: they are dropped."""
+        way the stored keys and values were computed with the old weights: they are dropped, and the slot buffers
+        are freed for the update."""
         assert not self.has_work(), "update_weights between rollouts, not during one"
         self.prefixes.clear()
+        self.kv = self.seen = None  # the slot buffers are allocated again by the next rollout
         if model is not self.model:
             self.model.load_state_dict(model.state_dict())
 

@@ -118,8 +118,9 @@ def test_hf_sampler_reuses_the_keys_and_values_of_earlier_turns(tiny, monkeypatc
         assert torch.allclose(torch.tensor(c.logprobs), fresh_logprobs(model, p, c, 0.7), atol=1e-4)
     assert [c.token_ids for c in sampler.generate(second, [30] * 4, temperature=0.0)] \
         == [c.token_ids for c in plain.generate(second, [30] * 4, temperature=0.0)]
-    sampler.update_weights(model)  # new weights: stored keys and values are stale
-    assert sampler.prefixes.entries == {}
+    sampler.update_weights(model)  # new weights: stored keys and values are stale; the buffers are freed
+    assert sampler.prefixes.entries == {} and sampler.kv is None
+    assert len(sampler.generate(second[:1], [5])[0].token_ids) <= 5  # and allocated again when needed
 
 
 def test_hf_sampler_admits_requests_while_others_decode(tiny):
