@@ -89,19 +89,22 @@ class TurnSampler:
     queued request in one `generate` call per (temperature, top_p)."""
 
     def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0):
-        self.__dict__.setdefault("_queue", []).append((key, prompt, max_new_tokens, temperature, top_p))
+        self._pending().append((key, prompt, max_new_tokens, temperature, top_p))
 
     def has_work(self):
-        return bool(self.__dict__.get("_queue"))
+        return bool(self._pending())
 
     def step(self):
-        queue, self._queue = self.__dict__.get("_queue", []), []
+        queue, self._queue = self._pending(), []
         done = []
         for params in dict.fromkeys((t, p) for *_, t, p in queue):
             batch = [q for q in queue if q[3:] == params]
             completions = self.generate([q[1] for q in batch], [q[2] for q in batch], *params)
             done += [(q[0], c) for q, c in zip(batch, completions)]
         return done
+
+    def _pending(self) -> list:
+        return vars(self).setdefault("_queue", [])  # a mixin: the class's own __init__ does not create it
 
 
 def model_checksum(model: torch.nn.Module) -> float:
@@ -125,9 +128,9 @@ def stop_token_ids(tokenizer, model_eos=None) -> list[int]:
 class _KVBuffer(DynamicCache):
     """Keys and values written in place into preallocated buffers, (slots, kv_heads, capacity, head_dim) per layer.
     transformers' DynamicCache appends with torch.cat, which copies the whole cache at every token: 70% of a decode
-    step at 700 tokens of context on the tiny model (torch.profiler). A forward uses the first `rows` slots and
-    writes its new tokens at columns [length, length + q) of the slots in `rows` and attends to columns
-    [first, length + q); the caller sets these."""
+    step at 700 tokens of context on the tiny model (torch.profiler). A forward runs on the slots in `rows` (a
+    slice), writes its new tokens at columns [length, length + q) and attends to columns [first, length + q); the
+    caller sets these three."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int):
         super().__init__()

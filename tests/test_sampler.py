@@ -238,6 +238,16 @@ class FakeEngineModel(torch.nn.Module):
         self.inner.load_state_dict(dict(weights))
 
 
+def scripted_output(request_id, prompt, sp) -> FakeRequestOutput:
+    """The fake engines' answer: 7, 8, 9, ... (one per prompt token), then the stop id, cut at sp.max_tokens."""
+    script = [7 + k for k in range(len(prompt["prompt_token_ids"]))] + sp.stop_token_ids
+    ids = script[:sp.max_tokens]
+    stopped = ids[-1] in sp.stop_token_ids
+    lps = [{t: Logprob(-0.1 * (k + 1), rank=1)} for k, t in enumerate(ids)]
+    return FakeRequestOutput(request_id, prompt["prompt_token_ids"], [FakeCompletionOutput(
+        0, "", ids, None, lps, "stop" if stopped else "length", ids[-1] if stopped else None)])
+
+
 class FakeLLM:
     """Shaped like vllm.LLM: each request emits 7, 8, 9, ... then <|im_end|> (id 3) if max_tokens allows."""
     instances = []
@@ -252,15 +262,7 @@ class FakeLLM:
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
         self.log.append(("generate", prompts, sampling_params))
-        outs = []
-        for r, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
-            script = [7 + k for k in range(len(prompt["prompt_token_ids"]))] + sp.stop_token_ids
-            ids = script[:sp.max_tokens]
-            stopped = ids[-1] in sp.stop_token_ids
-            lps = [{t: Logprob(-0.1 * (k + 1), rank=1)} for k, t in enumerate(ids)]
-            outs.append(FakeRequestOutput(str(r), prompt["prompt_token_ids"], [FakeCompletionOutput(
-                0, "", ids, None, lps, "stop" if stopped else "length", ids[-1] if stopped else None)]))
-        return outs
+        return [scripted_output(str(r), prompt, sp) for r, (prompt, sp) in enumerate(zip(prompts, sampling_params))]
 
     def sleep(self, level=1):
         self.log.append(("sleep", level))
@@ -278,16 +280,14 @@ class FakeLLM:
 
 class FakeEngine:
     """Shaped like vllm's LLMEngine: add_request(request_id, prompt, params); step() -> RequestOutputs, here one
-    more token per request per step, `finished` once its script (as FakeLLM's) is done."""
+    more token per request per step, `finished` once its `scripted_output` is done."""
 
     def __init__(self, llm):
         self.llm, self.requests = llm, {}
 
     def add_request(self, request_id, prompt, params):
         self.llm.log.append(("add_request", request_id, prompt, params))
-        (out,) = self.llm.generate([prompt], [params])
-        self.llm.log.pop()
-        self.requests[request_id] = [out, 0]
+        self.requests[request_id] = [scripted_output(request_id, prompt, params), 0]
 
     def step(self):
         outs = []
