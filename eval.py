@@ -34,7 +34,7 @@ stage-3 data ("the problems the stage-2 policy did not solve 8 of 8 times"), e.g
 
 (with several benchmarks, their unsolved problems are concatenated in benchmark order).
 
-Samplers (`sampler: hf | vllm`, sampler.py): hf for the tiny model and small checks; vllm for real checkpoints at
+Samplers (`sampler: hf | vllm`, hf_sampler.py and sampler.py): hf for the tiny model and small checks; vllm for real checkpoints at
 the report's budgets (HFSampler keeps every step's logits, too much at 30K tokens with a 150K vocabulary). The seed
 is set again before each benchmark, so a benchmark's samples do not depend on which ran before it (hf; vLLM seeds
 its engine once).
@@ -309,7 +309,8 @@ def load_model(cfg: EvalConfig):
     """(sampler, tokenizer) for the config: transformers on the GPU if there is one (else CPU), or vLLM."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from sampler import HFSampler, VLLMSampler
+    from hf_sampler import HFSampler
+    from sampler import VLLMSampler
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     if cfg.sampler == "vllm":
         return VLLMSampler(cfg.model_path, im_end_id=tokenizer.convert_tokens_to_ids(IM_END), seed=cfg.seed,

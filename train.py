@@ -44,13 +44,14 @@ from checkpoint import latest_checkpoint, load_checkpoint, resume_point, save_ch
 from code_tool import CodeTool
 from config import format_config, parse_cli, save_config
 from data import check_model_path, load_problems
+from hf_sampler import HFSampler
 from plots import plot_curves
 from grpo_roc import (drop_equal_groups, group_advantages, penalty_total, policy_loss, resample_on_correct,
                       sequence_mean_policy_loss)
 from protocol import chat_format
 from reward import check_many, extract_answer
 from rollout import rollout, rollout_sums
-from sampler import HFSampler, VLLMSampler, model_checksum
+from sampler import VLLMSampler, model_checksum
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""sampler.py: HFSampler on the tiny model (stops, log-probs, budgets, weights) and VLLMSampler against a fake
+"""sampler.py and hf_sampler.py: HFSampler on the tiny model (stops, log-probs, budgets, weights) and VLLMSampler against a fake
 engine shaped like vLLM's (vLLM itself is not installable here)."""
 import ast
 import sys
@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hf_sampler import HFSampler
 from protocol import IM_END
-from sampler import HFSampler, VLLMSampler, model_checksum
+from sampler import VLLMSampler, model_checksum
 from tiny_model import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -376,4 +377,4 @@ def test_sampler_module_does_not_import_vllm_at_load():
     names = [a.name for node in top_level for a in node.names] + [getattr(n, "module", None) or "" for n in top_level]
     assert not any(name.split(".")[0] == "vllm" for name in names)
     inner = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "vllm"]
-    assert len(inner) == 2  # LLM in __init__, SamplingParams in generate
+    assert len(inner) == 2  # LLM in __init__, SamplingParams in _params
