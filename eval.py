@@ -34,8 +34,9 @@ stage-3 data ("the problems the stage-2 policy did not solve 8 of 8 times"), e.g
 
 (with several benchmarks, their unsolved problems are concatenated in benchmark order).
 
-Samplers (`sampler: hf | vllm`, hf_sampler.py and sampler.py): hf for the tiny model and small checks; vllm for real checkpoints at
-the report's budgets (HFSampler keeps every step's logits, too much at 30K tokens with a 150K vocabulary). The seed
+Samplers (`sampler: hf | vllm`, hf_sampler.py and sampler.py): hf for the tiny model and small checks; vllm for
+real checkpoints at the report's budgets (HFSampler holds each slot's whole row of keys and values, unpaged, in one
+process). The seed
 is set again before each benchmark, so a benchmark's samples do not depend on which ran before it (hf; vLLM seeds
 its engine once).
 

@@ -118,7 +118,8 @@ class HFSampler:
     (default 2 x batch_size, the oldest dropped first; 0 = off). Memory per kept token: layers x 2 x kv_heads x
     head_dim x dtype bytes.
 
-    Live requests fill slots 0..n-1; a finished one leaves at once and the last slot's row moves into the gap. Slots share one column counter: a request's tokens end at the current column when it is admitted, and `seen`
+    Live requests fill slots 0..n-1; a finished one leaves at once and the last slot's row moves into the gap.
+    Slots share one column counter: a request's tokens end at the current column when it is admitted, and `seen`
     (slots, capacity) marks which columns hold its tokens. The 4-D additive attention mask is built from `seen`,
     with explicit position ids, so gaps between a request's columns are never attended; attention starts at the
     first column any live row uses. When rows or columns run out, the buffers are laid out again without the dead
