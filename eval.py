@@ -36,9 +36,8 @@ stage-3 data ("the problems the stage-2 policy did not solve 8 of 8 times"), e.g
 
 Samplers (`sampler: hf | vllm`, hf_sampler.py and sampler.py): hf for the tiny model and small checks; vllm for
 real checkpoints at the report's budgets (HFSampler holds each slot's whole row of keys and values, unpaged, in one
-process). The seed
-is set again before each benchmark, so a benchmark's samples do not depend on which ran before it (hf; vLLM seeds
-its engine once).
+process). The seed is set again before each benchmark, so a benchmark's samples do not depend on which ran before
+it (hf; vLLM seeds its engine once).
 
 In-process API (trainer, pipeline): `evaluate(problems, sampler, tool, ...) -> (metrics, trajectories)`; pure
 helpers `pass_at_k`, `majority_vote`, `standard_error`, `summarize`, `unsolved`.
