@@ -37,7 +37,7 @@ stage-3 data ("the problems the stage-2 policy did not solve 8 of 8 times"), e.g
 Samplers (`sampler: hf | vllm`, hf_sampler.py and sampler.py): hf for the tiny model and small checks; vllm for
 real checkpoints at the report's budgets (HFSampler holds each slot's whole row of keys and values, unpaged, in one
 process). The seed is set again before each benchmark, so a benchmark's samples do not depend on which ran before
-it (hf; vLLM seeds its engine once).
+it (hf; vLLM seeds its engine once); with `sync_turns=true` they do not depend on tool timing either.
 
 In-process API (trainer, pipeline): `evaluate(problems, sampler, tool, ...) -> (metrics, trajectories)`; pure
 helpers `pass_at_k`, `majority_vote`, `standard_error`, `summarize`, `unsolved`.
@@ -82,6 +82,7 @@ class EvalConfig:
     user_instruction: str = DEFAULT_USER_INSTRUCTION
     sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU)
     batch_size: int = 64                  # rollouts per rollout() call; hf: also decoding slots (vllm: raise it)
+    sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
     limit: int = 0                        # first N problems of each benchmark (0: all), for quick runs
     seed: int = 0
     unsolved_out: str | None = None       # write problems solved < k of k times here (stage-3 data, report sec. 6)
@@ -178,18 +179,19 @@ def unsolved(problems: list[dict], groups: list[list]) -> list[dict]:
 # ============================================================================ evaluation (in process)
 def evaluate(problems: list[dict], sampler, tool, tokenizer, fmt, samples: int, max_response_tokens: int,
              max_turns: int, temperature: float = 0.6, top_p: float = 1.0, batch_size: int = 0,
-             progress: bool = False) -> tuple[dict, list]:
+             sync_turns: bool = False, progress: bool = False) -> tuple[dict, list]:
     """Roll out `samples` rollouts per problem, score each with the training reward, and summarize.
 
     problems: dicts with "problem" and "answer". Returns (metrics from `summarize`, trajectories with `reward` set,
     problem-major: trajectory i * samples + j is sample j of problem i). batch_size: rollouts per rollout() call
-    (0: all at once)."""
+    (0: all at once); sync_turns: see rollout."""
     texts = [p["problem"] for p in problems for _ in range(samples)]
     step = batch_size or len(texts)
     trajs = []
     for s in _bar(range(0, len(texts), step), progress and len(texts) > step, "batches"):
         trajs += rollout(texts[s:s + step], sampler, tool, tokenizer, fmt, max_response_tokens, max_turns,
-                         temperature=temperature, top_p=top_p, progress=progress and step == len(texts))
+                         temperature=temperature, top_p=top_p, sync_turns=sync_turns,
+                         progress=progress and step == len(texts))
     # r = 1 if the last boxed answer of the model's own text is equivalent to the gold answer (reward.py, sec. 3)
     verdicts = check_many([extract_answer(t.text) for t in trajs], [problems[i // samples]["answer"]
                                                                     for i in range(len(trajs))])
@@ -351,7 +353,8 @@ def run(cfg: EvalConfig) -> dict:
             print(f"{name}: {len(problems)} problems x {k} samples")
             set_seed(cfg.seed)  # each benchmark's samples do not depend on which benchmarks ran before it
             metrics, trajs = evaluate(problems, sampler, tool, tokenizer, fmt, k, cfg.max_response_tokens,
-                                      cfg.max_turns, cfg.temperature, cfg.top_p, cfg.batch_size, progress=True)
+                                      cfg.max_turns, cfg.temperature, cfg.top_p, cfg.batch_size, cfg.sync_turns,
+                                      progress=True)
             results[name] = metrics
             for i, traj in enumerate(trajs):  # written as each benchmark finishes: a crash keeps the earlier ones
                 record = trajectory_record(name, problems[i // k], i // k, i % k, traj)
