@@ -97,7 +97,7 @@ def cpu_per_call(tool: CodeTool, n: int) -> tuple[float, float, float]:
     before = spent(resource.RUSAGE_CHILDREN)
     plain(TRIVIAL, 16, n // 4)
     plain_ms = (spent(resource.RUSAGE_CHILDREN) - before) / (n // 4) * 1e3
-    pids = [server.proc.pid for server in tool._servers]
+    pids = tool.server_pids()
     servers, caller = sum(map(tree_cpu, pids)), spent(resource.RUSAGE_SELF)
     ours(tool, TRIVIAL, 16, n)
     return plain_ms, (sum(map(tree_cpu, pids)) - servers) / n * 1e3, (spent(resource.RUSAGE_SELF) - caller) / n * 1e3
