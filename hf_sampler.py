@@ -239,9 +239,8 @@ class HFSampler:
         """Lay the slots out again when they need more rows, `before` columns up to the current one, or `after`
         columns from it; the dead columns (left of every live row) are dropped then."""
         kv = self.kv
-        if kv is not None and not self.live and rows <= self.seen.shape[0] and before + after <= kv.capacity:
-            kv.length = before  # nothing live: start over in the same buffers
-            return
+        if kv is not None and not self.live:
+            kv.length = before  # nothing live: every column is free, so the counter may start anywhere
         if kv is not None:
             first = self._first_column(0, len(self.live))
             if rows <= self.seen.shape[0] and before <= kv.length and kv.length + after <= kv.capacity:
@@ -250,15 +249,14 @@ class HFSampler:
         keep = 0 if kv is None else kv.length - first  # live columns, copied over
         length = max(before, keep) + max(before, keep) // 4  # spare room: later prompts are longer
         new = self._buffers(min(self.batch_size, max(rows, 2 * n)), length + 2 * after, length)
-        seen = torch.zeros(new.k[0].shape[0], new.capacity, dtype=torch.bool, device=self.device)
-        if n:
+        slots = new.k[0].shape[0]
+        seen = torch.zeros(slots, new.capacity, dtype=torch.bool, device=self.device)
+        per_slot = [torch.zeros(slots, dtype=torch.long, device=self.device) for _ in range(2)] + \
+            [torch.ones(slots, device=self.device) for _ in range(2)]  # feed, next_pos, temps, top_ps
+        if n:  # the live rows' columns [first, length) move to [length' - keep, length')
             for old_t, new_t in zip(kv.k + kv.v, new.k + new.v):
                 new_t[:n, :, length - keep:length] = old_t[:n, :, first:kv.length]
             seen[:n, length - keep:length] = self.seen[:n, first:kv.length]
-        slots = seen.shape[0]
-        per_slot = [torch.zeros(slots, dtype=torch.long, device=self.device) for _ in range(2)] + \
-            [torch.ones(slots, device=self.device) for _ in range(2)]
-        if n:
             for old_t, new_t in zip((self.feed, self.next_pos, self.temps, self.top_ps), per_slot):
                 new_t[:n] = old_t[:n]
         self.kv, self.seen = new, seen
