@@ -166,11 +166,10 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
     in_flight: dict[Future, tuple[int, ToolCall]] = {}  # tool calls submitted, not yet read
     bar = tqdm(total=len(trajs), desc="rollouts", unit="rollout", disable=not progress)
 
-    def answer(i: int, call: ToolCall, result) -> None:
-        """Append the tool's answer; the rollout then goes on (a new request) or has ended."""
+    def go_on(i: int) -> None:
+        """After a turn or a tool response: the rollout continues as a new request, or it has ended."""
         nonlocal running
         traj = trajs[i]
-        append_tool_response(traj, call, result, tokenizer, max_response_tokens)
         if traj.end_reason is None:
             sampler.add(i, traj.prompt_ids + traj.response_ids, max_response_tokens - len(traj.response_ids),
                         temperature, top_p)
@@ -181,16 +180,14 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
     while running:
         # 1. Generate: the turns that finished in this step are recorded; their tool calls start at once.
         for i, c in sampler.step() if sampler.has_work() else []:
-            traj = trajs[i]
-            append_sampled(traj, c)
-            call = end_turn(traj, _decode_turn(tokenizer, c.token_ids, c.stopped), c.stopped, max_turns)
-            if call is None:
-                running -= 1
-                bar.update(1)
-            elif call.error is not None:
-                answer(i, call, None)  # a malformed call never reaches the tool
-            else:
+            append_sampled(trajs[i], c)
+            call = end_turn(trajs[i], _decode_turn(tokenizer, c.token_ids, c.stopped), c.stopped, max_turns)
+            if call is not None and call.error is None:
                 in_flight[tool.submit(call.code, call.stdin)] = (i, call)
+                continue
+            if call is not None:  # a malformed call never reaches the tool: its error is the response
+                append_tool_response(trajs[i], call, None, tokenizer, max_response_tokens)
+            go_on(i)
         # 2. Read the tool results that are back; with nothing left to generate, wait for them.
         if sync_turns:
             ready = [] if sampler.has_work() else list(wait(in_flight).done)
@@ -200,7 +197,8 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
             ready = list(wait(in_flight, return_when=FIRST_COMPLETED).done) if in_flight else []
         for future in sorted(ready, key=lambda f: in_flight[f][0]):  # a fixed order of re-adding
             i, call = in_flight.pop(future)
-            answer(i, call, future.result())
+            append_tool_response(trajs[i], call, future.result(), tokenizer, max_response_tokens)
+            go_on(i)
     bar.close()
     return trajs
 
