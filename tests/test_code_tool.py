@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+import code_sandbox
 import code_tool
-from code_tool import CHILD_GC_THRESHOLD, CodeTool, ToolResult, cut_middle
+from code_sandbox import CHILD_GC_THRESHOLD
+from code_tool import CodeTool, ToolResult, cut_middle
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 1.0
@@ -54,7 +56,7 @@ def alive(pid: int) -> bool:
 
 def processes_of(t: CodeTool) -> list[int]:
     """The tool's servers (the unshare processes where namespaced) and everything below them."""
-    return [p for server in t.server_pids() for p in [server, *code_tool._descendants(server)]]
+    return [p for server in t.server_pids() for p in [server, *code_sandbox._descendants(server)]]
 
 
 def wait_all_gone(pids, seconds=3.0) -> list[int]:
@@ -94,10 +96,26 @@ def test_print_renders_compactly(tool):
     ("1 + 1", "2\n"), ("x = 1", ""), ("x = 3\nx", "3\n"), ("print('a')\n5", "a\n"), ("None", ""),
     ("'s'", "'s'\n"), ("import sympy as sp\nx = sp.Symbol('x')\nsp.solve(x**2 - 5*x + 6, x)", "[2, 3]\n"),
     ("def f():\n    return 7\nf()", "7\n"), ("for i in range(2):\n    i", ""),
+    ("x = 1; x", "1\n"), ("(1 +\n 2)  # sum", "3\n"), ("s = 'é∑'; s ;", "'é∑'\n"), ("x = 2\r\nx * 3", "6\n"),
+    ("a = 1\n\n  \na\n# end", "1\n"),
 ])
 def test_notebook_echo_only_when_nothing_printed(tool, code, shown):
     result = tool.run(code)
     assert result.status == "ok" and result.stdout == shown
+
+
+def test_echo_span_by_hand():
+    """The caller finds the echoed expression; ast counts columns in UTF-8 bytes, the span is in characters."""
+    code = "x = 1; é = 2; é"
+    assert code_sandbox.echo_span(code, code_tool.parse(code)) == [14, 15, 1]
+    code = "y = 1\r\n(y +\n 2)  # c"
+    assert code_sandbox.echo_span(code, code_tool.parse(code)) == [7, 15, 2]
+    assert [code_sandbox.echo_span(c, code_tool.parse(c)) for c in ("x = 1", "", "def f(:")] == [None] * 3
+
+
+def test_an_error_in_the_echoed_expression_keeps_its_line(tool):
+    result = tool.run("x = 0\n\n(1 +\n 1 / x)")
+    assert result.status == "error" and 'File "<code>", line 4' in result.stderr and "1 / x)" in result.stderr
 
 
 def test_stdin_is_fed(tool):
@@ -123,14 +141,15 @@ def test_error_shows_a_compact_traceback_of_the_models_code_only(tool):
     assert result.status == "error" and result.stdout == "before\n"
     assert result.stderr.endswith("ZeroDivisionError: division by zero\n")
     assert 'File "<code>", line 4' in result.stderr and "x / y" in result.stderr
-    assert "code_tool" not in result.stderr and "Traceback" in result.render()
+    assert "code_sandbox" not in result.stderr and "Traceback" in result.render()
     syntax = tool.run("def f(:\n    pass")
-    assert syntax.status == "error" and "SyntaxError" in syntax.stderr and "code_tool" not in syntax.stderr
+    assert syntax.status == "error" and "SyntaxError" in syntax.stderr and "code_sandbox" not in syntax.stderr
+    assert tool.run("x = 1\n" + "(" * 300 + ")" * 300).status == "error"  # too deep for the caller's parser too
     deep = tool.run("import sympy\nsympy.sympify('1 +* 2')")  # raised inside a library: its frames are hidden
     assert deep.status == "error" and "SympifyError" in deep.stderr and "sympy/" not in deep.stderr
     recursion = tool.run("def f(n):\n    return f(n + 1)\nf(0)")
     assert recursion.stderr.startswith("Traceback (most recent call last):\n  [")  # "[N more frames]"
-    assert recursion.stderr.count('File "<code>"') == code_tool.MAX_FRAMES and len(recursion.stderr) < 400
+    assert recursion.stderr.count('File "<code>"') == code_sandbox.MAX_FRAMES and len(recursion.stderr) < 400
     assert recursion.stderr.endswith("RecursionError: maximum recursion depth exceeded\n")
 
 
@@ -319,7 +338,7 @@ def test_fork_bomb_stops_at_the_process_cap_and_is_cleaned_up():
     with CodeTool(workers=1, timeout=10.0, preload=LIGHT) as t:
         result = t.run(code)
         assert result.status == "ok" and result.stdout.startswith("stopped after ")
-        assert 0 < int(result.stdout.split()[-1]) < code_tool.NPROC_LIMIT  # (other nobody processes count too)
+        assert 0 < int(result.stdout.split()[-1]) < code_sandbox.NPROC_LIMIT  # (other nobody processes count too)
         assert t.run("import os\nif os.fork() == 0:\n    os._exit(0)\nprint('forks again')").stdout == "forks again\n"
 
 
@@ -374,7 +393,7 @@ def test_garbage_collection_closes_the_pool():
 def test_interpreter_exit_closes_the_pool():
     script = "import code_tool\nt = code_tool.CodeTool(workers=2, preload=('math',))\nprint(t.run('print(7)').stdout)"
     # the child prints its servers' pids too, so we can look for them after it is gone
-    script += "\nprint(*code_tool._descendants(__import__('os').getpid()))"
+    script += "\nimport code_sandbox\nprint(*code_sandbox._descendants(__import__('os').getpid()))"
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     lines = done.stdout.splitlines()
     assert done.returncode == 0 and lines[0] == "7"
@@ -388,8 +407,8 @@ def test_fallback_sandbox_still_contains_escapes(monkeypatch, shared_dir):
     with CodeTool(workers=1, timeout=TIMEOUT, preload=LIGHT) as t:
         assert t.sandbox == "fallback"
         beat = shared_dir / "beat"
-        code = ("import subprocess, time\nsubprocess.Popen(['/bin/sh', '-c', "
-                f"'while true; do echo x >> {beat}; sleep 0.02; done'], start_new_session=True)\ntime.sleep(0.3)")
+        code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sh', ['sh', '-c', "
+                f"'while true; do echo x >> {beat}; sleep 0.02; done'])\ntime.sleep(0.3)")
         assert t.run(code).ok
         assert_stays_still(beat)
         assert t.run("while True:\n    pass").status == "timeout"
@@ -403,8 +422,8 @@ def test_needs_heavy_routes_by_what_the_code_imports():
              "x = (", "from . import x", "s = 'numpy'"]
     heavy = ["import numpy as np", "from sympy import symbols", "import math, scipy", "import mpmath.libmp",
              "def f():\n    import sympy\n", "__import__('numpy')", "import importlib"]
-    assert [code_tool.needs_heavy(c) for c in light] == [False] * len(light)
-    assert [code_tool.needs_heavy(c) for c in heavy] == [True] * len(heavy)
+    assert [code_tool.needs_heavy(c, code_tool.parse(c)) for c in light] == [False] * len(light)
+    assert [code_tool.needs_heavy(c, code_tool.parse(c)) for c in heavy] == [True] * len(heavy)
 
 
 def test_plain_calls_fork_from_a_light_server_and_imports_from_a_heavy_one(tool):
@@ -417,9 +436,49 @@ def test_plain_calls_fork_from_a_light_server_and_imports_from_a_heavy_one(tool)
         assert t.light_workers == 0
 
 
-def test_a_heavy_server_takes_light_calls_when_no_light_server_is_idle(tool):
-    # two light calls on a pool of one light and one heavy server still run at once
+def test_heavy_servers_help_with_light_calls_only_where_a_core_may_be_free():
+    board, light, heavy = code_tool._JobBoard(help_after=0.3, cores=2), [object(), object()], object()
+    for job in range(4):
+        board.put("light", job)
     start = time.monotonic()
-    results = tool.run_batch([("import time\ntime.sleep(0.6)\nprint(1)", "")] * 2)
-    assert [r.stdout for r in results] == ["1\n", "1\n"]
-    assert time.monotonic() - start < 1.1
+    assert [board.take("light", server) for server in light] == [0, 1]
+    assert board.take("heavy", heavy) == 2  # two light calls keep both cores busy until one of them turns slow
+    assert 0.3 - 0.02 < time.monotonic() - start < 1.0
+    board = code_tool._JobBoard(help_after=0.3, cores=3)
+    for job in range(3):
+        board.put("light", job)
+    start = time.monotonic()
+    assert [board.take("light", server) for server in light] == [0, 1]
+    assert board.take("heavy", heavy) == 2  # two quick light servers cannot keep three cores busy: help at once
+    assert time.monotonic() - start < 0.1
+
+
+@pytest.fixture
+def one_core(monkeypatch):
+    """A pool sized for one core: one light server on a quick call keeps it busy."""
+    monkeypatch.setattr(code_tool.os, "cpu_count", lambda: 1)
+    with CodeTool(workers=2, timeout=TIMEOUT, preload=("math", "numpy")) as t:
+        assert t.light_workers == 1
+        yield t
+
+
+def test_a_burst_of_quick_light_calls_stays_on_the_light_server(one_core, monkeypatch):
+    """A heavy server's fork costs a trivial call twice the CPU: quick light calls queue for the light server."""
+    monkeypatch.setattr(one_core._jobs, "help_after", 5.0)  # "quick", even on a loaded CI machine
+    results = one_core.run_batch([("import sys\nprint('numpy' in sys.modules)", "")] * 40)
+    assert [r.stdout for r in results] == ["False\n"] * 40
+
+
+def test_a_heavy_server_takes_a_light_call_once_the_light_one_is_on_a_slow_call(one_core):
+    start = time.monotonic()
+    results = one_core.run_batch([("import time, sys\ntime.sleep(0.6)\nprint('numpy' in sys.modules)", "")] * 2)
+    assert sorted(r.stdout for r in results) == ["False\n", "True\n"]
+    assert time.monotonic() - start < 0.6 + code_tool.LIGHT_HELP_AFTER_S + 0.4
+
+
+def test_a_call_child_inherits_no_at_fork_handlers_of_threading(solo):
+    """The server imports no threading (nor subprocess, logging, concurrent.futures): their at-fork handlers would
+    run in every call child (code_sandbox.py's cost model)."""
+    assert solo.run("import sys\nsorted(m for m in ('threading', 'subprocess', 'logging') if m in sys.modules)"
+                    ).stdout == "[]\n"
+    assert solo.run("import threading\nthreading.Thread(target=print, args=(5,)).start()").stdout == "5\n"

@@ -1,0 +1,359 @@
+"""The sandbox side of the code tool (code_tool.py): the worker server and the call child it forks per call.
+
+A worker server is one long-lived Python (`python code_sandbox.py --serve MODULES BASE`), started by CodeTool, as
+init of its own namespaces where `unshare` works. It imports MODULES once, then answers one JSON request line per
+call on stdin with one JSON reply line on stdout: it forks a call child in a fresh directory, watches it from
+outside (wall clock, output bytes), kills whatever the call left behind, and describes the outcome. The child
+confines itself (session, rlimits, uid drop when root, fresh directory), runs the code as a notebook cell and exits.
+
+Cost model, since a call's price is a fork: the child pays one copy-on-write page fault for every page of the
+server's memory it writes (about 4 us each on the development VM, where a trivial call takes ~400), and every
+handler a module registered with os.register_at_fork runs in every child. Hence:
+- This module imports only light standard-library modules. `threading` (and what imports it: subprocess, logging,
+  concurrent.futures) must stay out of a server: its at-fork handler alone cost 130 faults, 0.5 ms, per call.
+  Those modules belong to the caller (code_tool.py). tests/test_code_tool.py checks that a call sees no threading.
+- The child does the least it can in Python: the server sets what a fork inherits (no_new_privs, the std streams'
+  encodings) once; the child uses `_signal` directly (signal.signal's enum wrapping cost 55 faults); the caller,
+  not the child, parses the code to find the expression a notebook echoes (ast objects cost 55 faults).
+- The modules a server holds are also what a call can import in the "fallback" sandbox as root when the Python
+  install is unreadable to nobody (see code_tool.py): there, only PRELOAD and this module's imports are available.
+
+Run through CodeTool; tests: tests/test_code_tool.py.
+"""
+from __future__ import annotations
+
+import _signal
+import ast
+import builtins
+import contextlib
+import ctypes
+import gc
+import json
+import linecache
+import os
+import re
+import resource
+import select
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+
+STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash")  # ToolResult.status, one word each
+CODE_NAME = "<code>"  # filename of the model's code in tracebacks; frames from elsewhere are hidden
+MAX_FRAMES = 3  # innermost frames of the model's code shown in a traceback
+NOBODY = 65534  # uid/gid a root caller's code runs as
+FILE_LIMIT_MB = 64  # RLIMIT_FSIZE: largest file a call may write
+NPROC_LIMIT = 256  # RLIMIT_NPROC when running as nobody: processes + threads of that uid at once (a fork bomb stops)
+PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "re", "random", "json",
+           "statistics", "heapq", "bisect", "string", "copy", "operator", "datetime", "typing", "numpy", "sympy")
+WARMUP = "import numpy.random, sympy\nsympy.solve(sympy.Symbol('x')**2 - 4)\nnumpy.linalg.inv(numpy.eye(2))"
+CHILD_GC_THRESHOLD = 50_000  # allocations between the call child's young-generation collections (Python: 700)
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC = 2, 4, 4096, 16384
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+# ----------------------------------------------------------------------------------- the call child (runs model code)
+def format_error(exc: BaseException) -> str:
+    """A compact traceback: only frames of the model's code (none of ours or a library's), the innermost
+    MAX_FRAMES of them, without 3.11's ^^^ marker lines; then the exception line, which matters most.
+    SystemExit gets only its line ("SystemExit: 1"): Python prints no traceback for it either."""
+    if isinstance(exc, SystemExit):
+        return "".join(traceback.format_exception_only(type(exc), exc))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == CODE_NAME]
+    lines = [f'  File "{CODE_NAME}", line {f.lineno}, in {f.name}\n' + (f"    {f.line}\n" if f.line else "")
+             for f in frames[-MAX_FRAMES:]]
+    if len(frames) > MAX_FRAMES:
+        lines.insert(0, f"  [{len(frames) - MAX_FRAMES} more frames]\n")
+    head = ["Traceback (most recent call last):\n"] if frames else []
+    return "".join(head + lines + traceback.format_exception_only(type(exc), exc))
+
+
+def echo_span(code: str, tree: ast.Module | None) -> list[int] | None:
+    """Where the expression a notebook echoes sits in code: [start, end, line] (character offsets and line number)
+    when the last top-level statement is a bare expression, else None. tree: ast.parse(code), None where code does
+    not parse (the child compiles it and reports the SyntaxError). Runs in the caller, which parses anyway."""
+    if tree is None or not tree.body or not isinstance(last := tree.body[-1], ast.Expr):
+        return None
+    starts = [0] + [m.end() for m in re.finditer(r"\r\n?|\n", code)]  # where each line starts, as Python counts
+
+    def offset(line: int, byte_col: int) -> int:  # ast's columns count UTF-8 bytes
+        begin = starts[line - 1]
+        return begin + len(code[begin:begin + byte_col].encode()[:byte_col].decode())
+    return [offset(last.lineno, last.col_offset), offset(last.end_lineno, last.end_col_offset), last.lineno]
+
+
+def execute(code: str, echo: list[int] | None) -> tuple[str, str]:
+    """Run code in a fresh namespace as a notebook cell: its statements, then the expression at echo (echo_span),
+    evaluated apart so that its value can be shown. Returns (status, repr of that value, or "" for None)."""
+    linecache.cache[CODE_NAME] = (len(code), None, code.splitlines(True), CODE_NAME)  # source lines in tracebacks
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    # the expression keeps its line number (blank lines before it) for tracebacks
+    body, last = (code[:echo[0]], "\n" * (echo[2] - 1) + code[echo[0]:echo[1]]) if echo else (code, "")
+    try:
+        exec(compile(body, CODE_NAME, "exec"), namespace)
+        value = eval(compile(last, CODE_NAME, "eval"), namespace) if last else None
+        return "ok", "" if value is None else repr(value)
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            return "ok", ""
+        status, error = "error", exc
+    except MemoryError as exc:
+        status, error = "memory", exc
+    except BaseException as exc:  # everything the code raises, KeyboardInterrupt included, is the code's error
+        status, error = "error", exc
+    with contextlib.suppress(BaseException):  # the code may have closed stderr; the status still goes back
+        sys.stderr.write(format_error(error))
+    return status, ""
+
+
+def _limit(res: int, value: int) -> None:
+    """Set soft = hard = value (never above the current hard limit, which only root could raise)."""
+    hard = resource.getrlimit(res)[1]
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    resource.setrlimit(res, (value, value))
+
+
+def _child(request: dict, workdir: str, vm_bytes: int, fds: list[int], as_root: bool, namespaced: bool):
+    """Body of the forked call child: confine, run the code, report on fd 3 ("status\\nechoed value"), _exit.
+    Inherited from the server as they are: no_new_privs, and sys.stdin/stdout/stderr (fds 0-2, re-pointed here)."""
+    try:
+        # After the server's gc.freeze() the collector counts no long-lived objects, so the first collection that
+        # reaches the oldest generation runs a full one: 2 ms of a 3 ms trivial call, most of it copy-on-write
+        # faults. A short call allocates far fewer objects than this threshold and never collects; a long one does.
+        gc.set_threshold(CHILD_GC_THRESHOLD)
+        if not namespaced:  # (in a PID namespace, the server's death ends every process in it)
+            _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # dies with its server
+        os.setsid()  # its own process group: killpg(0) reaches only the call's processes
+        for target, fd in enumerate(fds):  # stdin memfd, stdout, stderr, control pipe -> fds 0, 1, 2, 3
+            os.dup2(fd, target)
+        os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # the server's protocol pipes, memfds, ...
+        os.chdir(workdir)
+        _limit(resource.RLIMIT_AS, vm_bytes + (request["memory_mb"] << 20))  # memory_mb beyond the warm server
+        _limit(resource.RLIMIT_FSIZE, FILE_LIMIT_MB << 20)
+        _limit(resource.RLIMIT_CORE, 0)
+        _limit(resource.RLIMIT_CPU, int(request["timeout"]) + 2)  # backstop; the server's wall clock kills first
+        if as_root:  # (for the caller's own uid, NPROC would count the caller's threads too)
+            _limit(resource.RLIMIT_NPROC, NPROC_LIMIT)
+            os.setgroups([])
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+        _signal.signal(_signal.SIGTERM, _signal.SIG_DFL)  # (_signal: signal.signal wraps the result in an enum)
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+        tempfile.tempdir, sys.argv, sys.path[0] = workdir, [""], workdir
+        if "numpy.random" in sys.modules:  # its global RandomState was copied from the server (`random` reseeds)
+            sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))  # seed(None) costs 0.7 ms
+    except BaseException as exc:
+        os.write(3, f"crash\nsandbox setup failed: {exc!r}".encode())
+        os._exit(125)
+    status, echo = execute(request["code"], request["echo"])
+    record = f"{status}\n{echo}".encode("utf-8", "backslashreplace")
+    for finish in (sys.stdout.flush, sys.stderr.flush, lambda: os.write(3, record)):
+        with contextlib.suppress(BaseException):  # the code may have closed them; the exit code still tells ok/error
+            finish()
+    os._exit(0 if status == "ok" else 1)
+
+
+# ----------------------------------------------------------------------------------- the worker server
+def _descendants(root: int) -> list[int]:
+    """Pids below root, from /proc (used where the server is not a PID namespace's init)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(name))
+        except (ValueError, OSError, IndexError):
+            continue
+    found, stack = [], [root]
+    while stack:
+        kids = children.get(stack.pop(), [])
+        found += kids
+        stack += kids
+    return found
+
+
+def kill_descendants() -> None:
+    """SIGKILL and reap every process below this server: the call child and whatever it left behind."""
+    while True:
+        for pid in [-1] if os.getpid() == 1 else _descendants(os.getpid()):  # kill(-1) from init: all but itself
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                time.sleep(0.001)
+        except ChildProcessError:  # no children left; orphans reparent to us (init or subreaper), so none anywhere
+            return
+
+
+def _watch(pid: int, reads: list[int], deadline: float, cap: int) -> tuple[str | None, int, list[bytearray]]:
+    """Collect the call's pipes until its child exits, the deadline passes or a stream passes cap bytes; then
+    kill everything the call left and drain the pipes. Returns (reason it was killed or None, wait status, bytes)."""
+    pidfd, poller, bufs, reason = os.pidfd_open(pid), select.poll(), [bytearray() for _ in reads], None
+    for fd in reads + [pidfd]:
+        poller.register(fd, select.POLLIN)
+    while reason is None:
+        left = deadline - time.monotonic()
+        events = poller.poll(left * 1000 + 1) if left > 0 else []
+        if left <= 0:
+            reason = "timeout"
+        elif any(fd == pidfd for fd, _ in events):
+            break
+        for fd, _ in events:
+            buf = bufs[reads.index(fd)]
+            buf += (chunk := os.read(fd, 1 << 16))
+            if not chunk:
+                poller.unregister(fd)
+            elif len(buf) > cap:
+                reason = "output_limit"
+    if reason:
+        os.kill(pid, signal.SIGKILL)
+    wait_status = os.waitpid(pid, 0)[1]
+    os.close(pidfd)
+    kill_descendants()
+    for fd, buf in zip(reads, bufs):  # every writer is dead now; non-blocking in case one escaped anyway
+        os.set_blocking(fd, False)
+        try:
+            while len(buf) <= cap and (chunk := os.read(fd, 1 << 16)):
+                buf += chunk
+        except BlockingIOError:
+            pass
+        os.close(fd)
+    return reason or ("output_limit" if max(map(len, bufs)) > cap else None), wait_status, bufs
+
+
+def describe(reason: str | None, wait_status: int, bufs: list[bytearray], timeout: float, cap: int) -> dict:
+    """The outcome as ToolResult fields, from why we killed the call (if we did), how it exited, and its bytes
+    (stdout, stderr, control: "status\\necho" written by the child's runner as its last act)."""
+    out, err, ctl = (bytes(b[:cap]).decode("utf-8", "replace") for b in bufs)
+    word, _, echo = ctl.partition("\n")
+    note = ""
+    if reason == "timeout":
+        status, note = reason, f"killed after {timeout:g} s"
+    elif reason:
+        status, note = reason, f"killed after {cap} bytes of output"
+    elif word in STATUSES:
+        status, note = word, echo if word == "crash" else ""
+    elif os.WIFSIGNALED(wait_status):
+        sig = signal.Signals(os.WTERMSIG(wait_status))
+        status, note = ("timeout" if sig == signal.SIGXCPU else "crash"), f"killed by {sig.name}"
+    else:  # os._exit(n) or fd 3 closed by the code: only the exit code is known
+        code = os.WEXITSTATUS(wait_status)
+        status, note = ("ok", "") if code == 0 else ("error", f"exit code {code}")
+    if status == "ok" and not out and echo:
+        out = echo + "\n"
+    if note:
+        err += ("" if err.endswith("\n") or not err else "\n") + note + "\n"
+    return {"status": status, "stdout": out, "stderr": err}
+
+
+def _vm_bytes() -> int:
+    """This process's address-space size (os-level reads: a Python file object costs the server 30 faults a call)."""
+    fd = os.open("/proc/self/statm", os.O_RDONLY)
+    try:
+        return int(os.read(fd, 100).split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    finally:
+        os.close(fd)
+
+
+def serve_call(request: dict, base: str, as_root: bool, namespaced: bool) -> dict:
+    """Fork one call child in a fresh directory, watch it, and describe the outcome as ToolResult fields."""
+    workdir = tempfile.mkdtemp(prefix="call-", dir=base)
+    os.environ.update(HOME=workdir, TMPDIR=workdir)  # here, not in the child: no copy-on-write faults
+    if as_root:
+        os.chown(workdir, NOBODY, NOBODY)
+    stdin_fd = os.memfd_create("stdin")
+    os.write(stdin_fd, request["stdin"].encode("utf-8", "surrogatepass"))
+    os.lseek(stdin_fd, 0, os.SEEK_SET)
+    pipes = [os.pipe() for _ in range(3)]  # stdout, stderr, control
+    vm_bytes = _vm_bytes()
+    start = time.monotonic()
+    if (pid := os.fork()) == 0:
+        try:
+            _child(request, workdir, vm_bytes, [stdin_fd] + [w for _, w in pipes], as_root, namespaced)
+        finally:
+            os._exit(125)  # whatever happens, a child never returns into the server loop
+    for fd in [stdin_fd] + [w for _, w in pipes]:
+        os.close(fd)
+    reason, wait_status, bufs = _watch(pid, [r for r, _ in pipes], start + request["timeout"], request["max_bytes"])
+    elapsed = time.monotonic() - start
+    try:
+        os.rmdir(workdir)  # the common case: the code wrote no files
+    except OSError:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {**describe(reason, wait_status, bufs, request["timeout"], request["max_bytes"]), "elapsed": elapsed}
+
+
+def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    args = [None if a is None else a.encode() for a in (source, target, fstype, data)]
+    if _libc.mount(*args[:3], flags, args[3]) != 0:
+        raise OSError(ctypes.get_errno(), f"mount {source} on {target}")
+
+
+def expose_python_to_nobody() -> None:
+    """Root, in the server's private mount namespace: cover each directory nobody cannot enter on the way to the
+    Python install (e.g. /root, mode 0700) with a tmpfs and bind the install back, so imports work after the uid drop.
+    This also hides the rest of that directory (root's keys, caches) from the code."""
+    roots = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, *sys.path) if p and os.path.isdir(p)})
+    hidden: dict[str, list[str]] = {}
+    for path in [p for p in roots if not any(p.startswith(q + "/") for q in roots)]:
+        parts = path.split("/")
+        closed = [d for d in ("/".join(parts[:i]) for i in range(2, len(parts) + 1)) if not os.stat(d).st_mode & 1]
+        if closed:  # the first ancestor without the execute bit for "other"
+            hidden.setdefault(closed[0], []).append(path)
+    for top, paths in hidden.items():
+        keep = [os.open(p, os.O_PATH) for p in paths]  # handles to the originals before the tmpfs covers them
+        _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+        for path, fd in zip(paths, keep):
+            os.makedirs(path, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
+            os.close(fd)
+
+
+def serve(preload: list[str], base: str) -> None:
+    """Worker server main: warm up, then answer each JSON request line with one JSON reply line, until EOF.
+    base: the directory (made by the caller, which removes it) that holds one fresh directory per call."""
+    proto_in, proto_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)  # a stray print can never corrupt the protocol
+    os.close(null)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _libc.prctl(PR_SET_DUMPABLE, 0)  # a same-uid call child cannot ptrace its server
+    as_root, namespaced = os.geteuid() == 0, os.getpid() == 1
+    if not namespaced:  # (as a namespace's init, signals without a handler cannot reach us from the calls)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # close(): unwind through the finally below
+        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of a call reparent to us, where kill_descendants finds them
+    if as_root and namespaced:
+        try:
+            expose_python_to_nobody()
+        except OSError as exc:  # imports not preloaded may then fail for the call; everything else holds
+            print(f"code_tool: cannot expose the Python install to uid {NOBODY}: {exc}", file=sys.stderr)
+    for name in preload:
+        with contextlib.suppress(Exception):
+            __import__(name)
+    if {"numpy", "sympy"} <= set(preload):
+        exec(WARMUP, {})  # lazy imports and caches filled once, here, not in every call
+    # What every call child inherits, set once here. No new privileges: setuid binaries cannot give the code any.
+    # The std streams (the child points fds 0-2 at its pipes): opening three new ones cost each child 60 faults.
+    _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    for stream, errors in ((sys.stdin, "replace"), (sys.stdout, "backslashreplace"), (sys.stderr, "backslashreplace")):
+        stream.reconfigure(encoding="utf-8", errors=errors)  # (also flushes: no stray output is inherited)
+    gc.freeze()  # the warm heap stays out of the children's collections: fewer copy-on-write faults
+    try:
+        proto_out.write(b'{"ready": true}\n')
+        proto_out.flush()
+        for line in proto_in:
+            proto_out.write(json.dumps(serve_call(json.loads(line), base, as_root, namespaced)).encode() + b"\n")
+            proto_out.flush()
+    finally:
+        kill_descendants()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--serve"]:
+        sys.exit("usage: code_sandbox.py --serve MODULE,MODULE,... BASE_DIR  (started by code_tool.CodeTool)")
+    serve([m for m in sys.argv[2].split(",") if m], sys.argv[3])
