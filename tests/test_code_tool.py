@@ -453,6 +453,42 @@ def test_heavy_servers_help_with_light_calls_only_where_a_core_may_be_free():
     assert time.monotonic() - start < 0.1
 
 
+def test_the_job_board_loses_no_call_under_concurrency():
+    """Two light and two heavy server threads drain 3,000 calls put from two threads, mixed lanes and lengths:
+    each call is taken exactly once, heavy calls only by heavy servers, and nothing is left waiting."""
+    import random
+    import threading
+    board, taken, lock = code_tool._JobBoard(help_after=0.002, cores=1), [], threading.Lock()
+
+    def server(kind):
+        me = object()
+        while (job := board.take(kind, me)) is not None:
+            time.sleep(random.random() * 0.001 if job % 7 else 0.004)  # some light calls turn "slow"
+            with lock:
+                taken.append((job, kind))
+    threads = [threading.Thread(target=server, args=(kind,)) for kind in ("light", "light", "heavy", "heavy")]
+    for thread in threads:
+        thread.start()
+
+    def producer(start):
+        for job in range(start, 3000, 2):
+            board.put("heavy" if job % 3 == 0 else "light", job)
+    producers = [threading.Thread(target=producer, args=(start,)) for start in (0, 1)]
+    for thread in producers:
+        thread.start()
+    for thread in producers:
+        thread.join()
+    deadline = time.monotonic() + 30
+    while len(taken) < 3000 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert board.close() == []
+    for thread in threads:
+        thread.join(5)
+    assert sorted(job for job, _ in taken) == list(range(3000))
+    assert all(kind == "heavy" for job, kind in taken if job % 3 == 0)
+    assert any(kind == "heavy" for job, kind in taken if job % 3)  # heavy servers did help with slow light calls
+
+
 @pytest.fixture
 def one_core(monkeypatch):
     """A pool sized for one core: one light server on a quick call keeps it busy."""
