@@ -12,6 +12,9 @@ handler a module registered with os.register_at_fork runs in every child. Hence:
 - This module imports only light standard-library modules. `threading` (and what imports it: subprocess, logging,
   concurrent.futures) must stay out of a server: its at-fork handler alone cost 130 faults, 0.5 ms, per call.
   Those modules belong to the caller (code_tool.py). tests/test_code_tool.py checks that a call sees no threading.
+- `random` reseeds itself in every child (its at-fork handler: 45 faults, 10% of a trivial call's CPU). Light
+  servers leave it out (LIGHT_SKIP, and no tempfile here, which imports it); calls that import it go to a heavy
+  server, where numpy and sympy are worth far more than that.
 - The child does the least it can in Python: the server sets what a fork inherits (no_new_privs, the std streams'
   encodings) once; the child uses `_signal` directly (signal.signal's enum wrapping cost 55 faults); the caller,
   not the child, parses the code to find the expression a notebook echoes (ast objects cost 55 faults).
@@ -37,7 +40,6 @@ import select
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 
@@ -49,6 +51,7 @@ FILE_LIMIT_MB = 64  # RLIMIT_FSIZE: largest file a call may write
 NPROC_LIMIT = 256  # RLIMIT_NPROC when running as nobody: processes + threads of that uid at once (a fork bomb stops)
 PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "re", "random", "json",
            "statistics", "heapq", "bisect", "string", "copy", "operator", "datetime", "typing", "numpy", "sympy")
+LIGHT_SKIP = ("random", "statistics")  # standard-library PRELOAD a light server leaves out (statistics imports random)
 WARMUP = "import numpy.random, sympy\nsympy.solve(sympy.Symbol('x')**2 - 4)\nnumpy.linalg.inv(numpy.eye(2))"
 CHILD_GC_THRESHOLD = 50_000  # allocations between the call child's young-generation collections (Python: 700)
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
@@ -143,7 +146,9 @@ def _child(request: dict, workdir: str, vm_bytes: int, fds: list[int], as_root: 
             os.setresuid(NOBODY, NOBODY, NOBODY)
         _signal.signal(_signal.SIGTERM, _signal.SIG_DFL)  # (_signal: signal.signal wraps the result in an enum)
         _signal.signal(_signal.SIGINT, _signal.default_int_handler)
-        tempfile.tempdir, sys.argv, sys.path[0] = workdir, [""], workdir
+        sys.argv, sys.path[0] = [""], workdir
+        if "tempfile" in sys.modules:  # preloaded by a library: forget any directory it chose in the server
+            sys.modules["tempfile"].tempdir = workdir
         if "numpy.random" in sys.modules:  # its global RandomState was copied from the server (`random` reseeds)
             sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))  # seed(None) costs 0.7 ms
     except BaseException as exc:
@@ -258,9 +263,20 @@ def _vm_bytes() -> int:
         os.close(fd)
 
 
+def _new_directory(base: str) -> str:
+    """A fresh directory for one call (tempfile.mkdtemp would bring `random` into the server; see the cost model)."""
+    while True:
+        path = f"{base}/call-{time.monotonic_ns()}"
+        try:
+            os.mkdir(path, 0o700)
+            return path
+        except FileExistsError:  # only code running as the caller's own uid (fallback sandbox) could have made it
+            continue
+
+
 def serve_call(request: dict, base: str, as_root: bool, namespaced: bool) -> dict:
     """Fork one call child in a fresh directory, watch it, and describe the outcome as ToolResult fields."""
-    workdir = tempfile.mkdtemp(prefix="call-", dir=base)
+    workdir = _new_directory(base)
     os.environ.update(HOME=workdir, TMPDIR=workdir)  # here, not in the child: no copy-on-write faults
     if as_root:
         os.chown(workdir, NOBODY, NOBODY)
@@ -343,7 +359,7 @@ def serve(preload: list[str], base: str) -> None:
         stream.reconfigure(encoding="utf-8", errors=errors)  # (also flushes: no stray output is inherited)
     gc.freeze()  # the warm heap stays out of the children's collections: fewer copy-on-write faults
     try:
-        proto_out.write(b'{"ready": true}\n')
+        proto_out.write(json.dumps({"ready": True, "modules": sorted(sys.modules)}).encode() + b"\n")
         proto_out.flush()
         for line in proto_in:
             proto_out.write(json.dumps(serve_call(json.loads(line), base, as_root, namespaced)).encode() + b"\n")
