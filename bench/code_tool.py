@@ -3,10 +3,13 @@
 Workloads: (a) trivial `print(2+2)`; (b) import sympy and solve a quadratic. For each, calls per second and p50/p99
 latency (from issuing a call to its result) with 1, 16 and 256 calls kept in flight. The plain alternative, what
 most RL codebases do, runs `subprocess.run([sys.executable, "-c", code], timeout=...)` on a thread pool of that
-size. The soak sends N calls (2,000; --quick: 400), one in ten hostile (infinite loop, memory bomb, output flood),
+size. The soak sends N calls (2,000; --quick: 500), one in ten hostile (infinite loop, memory bomb, output flood),
 and reports lost or hung calls and the honest calls' throughput.
 
-Also, side by side: the trivial calls on a pool without light servers (every server preloads numpy and sympy).
+Also, side by side: the trivial calls on a pool without light servers (every server preloads numpy and sympy), and
+the CPU one call costs each way. The plain side starts sys.executable, so that interpreter's start-up is the
+baseline: install this project as the Makefile does (`editable_mode=compat`); setuptools' default editable mode adds
+an import hook to every start (about 7 ms here), which would flatter CodeTool.
 Run: `.venv/bin/python bench/code_tool.py [--quick] [--workers W]`.
 """
 import argparse
@@ -21,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from code_sandbox import LIGHT_SKIP, PRELOAD  # noqa: E402
 from code_tool import CodeTool, default_workers  # noqa: E402
 
 TRIVIAL = "print(2+2)"
@@ -103,6 +107,17 @@ def cpu_per_call(tool: CodeTool, n: int) -> tuple[float, float, float]:
     return plain_ms, (sum(map(tree_cpu, pids)) - servers) / n * 1e3, (spent(resource.RUSAGE_SELF) - caller) / n * 1e3
 
 
+FAULTS = "import resource\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)"  # the call child's so far
+
+
+def child_faults(extra: tuple[str, ...], n: int = 50) -> float:
+    """Mean page faults a trivial call's child has taken by its last line (fork, confinement, compile, run), on a
+    one-server pool of the light preload plus `extra`: what each module in a server costs every call it forks."""
+    light = tuple(m for m in PRELOAD if m in sys.stdlib_module_names and m not in LIGHT_SKIP) + extra
+    with CodeTool(workers=1, preload=light) as tool:
+        return statistics.mean(int(r.stdout) for r in tool.run_batch([(FAULTS, "")] * n))
+
+
 def soak(tool: CodeTool, n: int, in_flight: int) -> dict:
     """n calls, every tenth hostile; lost = an honest call without its right answer, hung = no result in time."""
     calls = [HOSTILE[(i // 10) % 3] if i % 10 == 9 else f"print({i} * {i})" for i in range(n)]
@@ -158,6 +173,10 @@ def main() -> None:
           f"ms (servers and their call children {server_ms:.2f}, caller {caller_ms:.2f}). On {cores} cores that caps "
           f"CodeTool at ~{cores * 1e3 / (server_ms + caller_ms):.0f} calls/s and the plain way at "
           f"~{cores * 1e3 / plain_ms:.0f}: {plain_ms / (server_ms + caller_ms):.1f}x at best")
+    base = child_faults(())
+    print(f"Page faults of a trivial call's child on a light server: {base:.0f}; with `random` in the server too "
+          f"(its at-fork reseed): +{child_faults(('random',)) - base:.0f}; with `threading` (its at-fork handler): "
+          f"+{child_faults(('threading',)) - base:.0f}")
     if any(r[1] != r[2] for r in rows):
         print(f"* the plain alternative with sympy ran at most {plain_cap} interpreters at once (~50 MB each); "
               "with every core busy its throughput cannot rise with more")
