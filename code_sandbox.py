@@ -6,18 +6,17 @@ call on stdin with one JSON reply line on stdout: it forks a call child in a fre
 outside (wall clock, output bytes), kills whatever the call left behind, and describes the outcome. The child
 confines itself (session, rlimits, uid drop when root, fresh directory), runs the code as a notebook cell and exits.
 
-Cost model, since a call's price is a fork: the child pays one copy-on-write page fault for every page of the
-server's memory it writes (about 4 us each on the development VM, where a trivial call takes ~400), and every
-handler a module registered with os.register_at_fork runs in every child. Hence:
+Cost model, since a call's price is a fork: the child pays a copy-on-write page fault for every page of the
+server's memory it writes (about 4 us each on the development VM), and every handler a module registered with
+os.register_at_fork runs in every child. The two points below took a trivial call's child from about 530 to 280
+faults and from about 2.5 to 1.3 ms of CPU (measured side by side, 3 runs each; docs/LOG.md):
 - This module imports only light standard-library modules. `threading` (and what imports it: subprocess, logging,
-  concurrent.futures) must stay out of a server: its at-fork handler alone cost 130 faults, 0.5 ms, per call.
-  Those modules belong to the caller (code_tool.py). tests/test_code_tool.py checks that a call sees no threading.
-- `random` reseeds itself in every child (its at-fork handler: 45 faults, 10% of a trivial call's CPU). Light
-  servers leave it out (LIGHT_SKIP, and no tempfile here, which imports it); calls that import it go to a heavy
-  server, where numpy and sympy are worth far more than that.
+  concurrent.futures) must stay out of a server: its at-fork handler runs in every call (bench/code_tool.py
+  prints what it adds: 55-60 faults a call). Those modules belong to the caller (code_tool.py); a test checks
+  that a call sees none of them.
 - The child does the least it can in Python: the server sets what a fork inherits (no_new_privs, the std streams'
-  encodings) once; the child uses `_signal` directly (signal.signal's enum wrapping cost 55 faults); the caller,
-  not the child, parses the code to find the expression a notebook echoes (ast objects cost 55 faults).
+  encodings) once; the child calls `_signal` directly (signal.signal converts its result to an enum); the caller,
+  not the child, parses the code to find the expression a notebook echoes (building ast objects is costly here).
 - The modules a server holds are also what a call can import in the "fallback" sandbox as root when the Python
   install is unreadable to nobody (see code_tool.py): there, only PRELOAD and this module's imports are available.
 
@@ -40,6 +39,7 @@ import select
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 
@@ -51,7 +51,6 @@ FILE_LIMIT_MB = 64  # RLIMIT_FSIZE: largest file a call may write
 NPROC_LIMIT = 256  # RLIMIT_NPROC when running as nobody: processes + threads of that uid at once (a fork bomb stops)
 PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "re", "random", "json",
            "statistics", "heapq", "bisect", "string", "copy", "operator", "datetime", "typing", "numpy", "sympy")
-LIGHT_SKIP = ("random", "statistics")  # standard-library PRELOAD a light server leaves out (statistics imports random)
 WARMUP = "import numpy.random, sympy\nsympy.solve(sympy.Symbol('x')**2 - 4)\nnumpy.linalg.inv(numpy.eye(2))"
 CHILD_GC_THRESHOLD = 50_000  # allocations between the call child's young-generation collections (Python: 700)
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
@@ -146,9 +145,7 @@ def _child(request: dict, workdir: str, vm_bytes: int, fds: list[int], as_root: 
             os.setresuid(NOBODY, NOBODY, NOBODY)
         _signal.signal(_signal.SIGTERM, _signal.SIG_DFL)  # (_signal: signal.signal wraps the result in an enum)
         _signal.signal(_signal.SIGINT, _signal.default_int_handler)
-        sys.argv, sys.path[0] = [""], workdir
-        if "tempfile" in sys.modules:  # preloaded by a library: forget any directory it chose in the server
-            sys.modules["tempfile"].tempdir = workdir
+        tempfile.tempdir, sys.argv, sys.path[0] = workdir, [""], workdir
         if "numpy.random" in sys.modules:  # its global RandomState was copied from the server (`random` reseeds)
             sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))  # seed(None) costs 0.7 ms
     except BaseException as exc:
@@ -263,20 +260,9 @@ def _vm_bytes() -> int:
         os.close(fd)
 
 
-def _new_directory(base: str) -> str:
-    """A fresh directory for one call (tempfile.mkdtemp would bring `random` into the server; see the cost model)."""
-    while True:
-        path = f"{base}/call-{time.monotonic_ns()}"
-        try:
-            os.mkdir(path, 0o700)
-            return path
-        except FileExistsError:  # only code running as the caller's own uid (fallback sandbox) could have made it
-            continue
-
-
 def serve_call(request: dict, base: str, as_root: bool, namespaced: bool) -> dict:
     """Fork one call child in a fresh directory, watch it, and describe the outcome as ToolResult fields."""
-    workdir = _new_directory(base)
+    workdir = tempfile.mkdtemp(prefix="call-", dir=base)
     os.environ.update(HOME=workdir, TMPDIR=workdir)  # here, not in the child: no copy-on-write faults
     if as_root:
         os.chown(workdir, NOBODY, NOBODY)
@@ -359,7 +345,7 @@ def serve(preload: list[str], base: str) -> None:
         stream.reconfigure(encoding="utf-8", errors=errors)  # (also flushes: no stray output is inherited)
     gc.freeze()  # the warm heap stays out of the children's collections: fewer copy-on-write faults
     try:
-        proto_out.write(json.dumps({"ready": True, "modules": sorted(sys.modules)}).encode() + b"\n")
+        proto_out.write(b'{"ready": true}\n')
         proto_out.flush()
         for line in proto_in:
             proto_out.write(json.dumps(serve_call(json.loads(line), base, as_root, namespaced)).encode() + b"\n")

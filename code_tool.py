@@ -8,9 +8,9 @@ reads: the status word, a newline, then stdout and stderr cut in the middle ("ok
 Design (the report's separate code service, on one machine): the caller never forks. It starts W worker servers
 (code_sandbox.py) with subprocess and talks JSON lines to each from one thread. A server imports numpy, sympy, ...
 once (PRELOAD), then forks a child per call (a "zygote": about 3 ms of CPU against 18 ms for a new python, 0.5 s or
-more with sympy). Half the servers preload only the standard-library modules (but `random`, LIGHT_SKIP): a call
-that imports nothing they lack (`needs_heavy`) goes to one of those, whose fork costs less than half; heavy servers
-help with such calls only where a core may be free (_JobBoard). The caller parses the code once, to route it and to find the expression a
+more with sympy). Half the servers preload only the standard-library modules: a call whose code imports nothing
+else (`needs_heavy`) goes to one of those, whose fork costs about half; heavy servers help with such calls only
+where a core may be free (_JobBoard). The caller parses the code once, to route it and to find the expression a
 notebook echoes. The child drops to uid 65534 (nobody) when the server is root, sets hard rlimits (address space,
 file size, core, CPU), chdirs to a fresh temporary directory (also $HOME and $TMPDIR), reads stdin from a memfd and
 writes into pipes. The fork is the fresh state: builtins patched, chdir, closed descriptors, os._exit or a segfault
@@ -60,7 +60,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import code_sandbox
-from code_sandbox import LIGHT_SKIP, PRELOAD, echo_span
+from code_sandbox import PRELOAD, echo_span
 
 REPLY_GRACE_S = 10.0  # the caller declares a server dead when no reply comes timeout + this many seconds after sending
 READY_TIMEOUT_S = 120.0  # how long a starting server may take to import PRELOAD
@@ -105,17 +105,16 @@ def parse(code: str) -> ast.Module | None:
         return None
 
 
-def needs_heavy(code: str, tree: ast.Module | None, light_modules: set[str]) -> bool:
-    """Whether a call should go to a heavy server (the whole PRELOAD, numpy and sympy) rather than a light one: True
-    when the code imports a module the light servers have not loaded (light_modules, their sys.modules), or imports
-    dynamically. tree: parse(code); code that does not parse is light (it fails at once anywhere). A wrong guess only
-    costs time: any server imports what the code asks for."""
+def needs_heavy(code: str, tree: ast.Module | None) -> bool:
+    """Whether a call should go to a server with the third-party PRELOAD modules (numpy, sympy): True when the code
+    imports anything outside the standard library, or imports dynamically. tree: parse(code); code that does not
+    parse is light (it fails at once anywhere). A wrong guess only costs time: a light server imports what it must."""
     if "__import__" in code or "importlib" in code:
         return True
     for node in ast.walk(tree) if tree else ():
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
             [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
-        if any(name not in light_modules for name in names):
+        if any(name.split(".")[0] not in sys.stdlib_module_names for name in names):
             return True
     return False
 
@@ -315,10 +314,10 @@ class CodeTool:
     workers: servers, i.e. calls running at once (default_workers()); timeout: wall-clock seconds per call;
     memory_mb: address space a call may add to the warm interpreter's; max_output_chars: ToolResult.render()'s
     default cut; max_output_bytes: bytes read per stream before the call is killed as "output_limit"; preload:
-    modules each server imports once; light_workers: how many servers preload only its standard-library part but
-    LIGHT_SKIP (default half of them, when preload has more than that and workers >= 2). Calls that import nothing
-    those have not loaded (`needs_heavy`) go to them: forking a server without numpy and sympy costs about half.
-    Heavy servers help with them only while fewer light servers than cores are on quick calls (see _JobBoard)."""
+    modules each server imports once; light_workers: how many servers preload only its standard-library part
+    (default half of them, when preload has more than that and workers >= 2). Calls that import nothing beyond the
+    standard library (`needs_heavy`) go to those: forking a server without numpy and sympy costs about half. Heavy
+    servers help with them only while fewer light servers than cores are on quick calls (see _JobBoard)."""
 
     def __init__(self, workers: int | None = None, timeout: float = 4.0, memory_mb: int = 512,
                  max_output_chars: int = 1000, max_output_bytes: int = 1 << 20, preload: tuple = PRELOAD,
@@ -327,7 +326,7 @@ class CodeTool:
         self.sandbox, prefix = sandbox_prefix()
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")}  # no secrets
         env.update(LANG="C.UTF-8", HOME="/tmp", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        light = [m for m in preload if m in sys.stdlib_module_names and m not in LIGHT_SKIP]
+        light = [m for m in preload if m in sys.stdlib_module_names]
         wanted = self.workers // 2 if light_workers is None else light_workers
         self.light_workers = 0 if len(light) == len(preload) else max(0, min(self.workers - 1, wanted))
         serve = [*prefix, sys.executable, os.path.abspath(code_sandbox.__file__), "--serve"]
@@ -339,11 +338,11 @@ class CodeTool:
         try:
             for server in self._servers:
                 server.start()
-            ready = [server.receive(time.monotonic() + READY_TIMEOUT_S) for server in self._servers]
+            for server in self._servers:
+                server.receive(time.monotonic() + READY_TIMEOUT_S)
         except (WorkerDied, OSError) as exc:
             self.close()
             raise RuntimeError(f"code tool worker failed to start: {exc}") from exc
-        self._light_modules = set(ready[0]["modules"]) if self.light_workers else set()  # what light calls may import
         limits = {"timeout": timeout, "memory_mb": memory_mb, "max_bytes": max_output_bytes}
         for server in self._servers:  # the threads hold no reference to self, so garbage collection can close it
             threading.Thread(target=_serve_jobs, args=(server, self._jobs, limits, max_output_chars), daemon=True,
@@ -353,7 +352,7 @@ class CodeTool:
         """Queue one call; the Future resolves to its ToolResult (it never raises, nor waits past timeout + grace)."""
         future: Future = Future()
         tree = parse(code)  # once, here: for the lane and for the notebook echo (the call child only compiles)
-        lane = "heavy" if not self.light_workers or needs_heavy(code, tree, self._light_modules) else "light"
+        lane = "heavy" if not self.light_workers or needs_heavy(code, tree) else "light"
         self._jobs.put(lane, ({"code": code, "stdin": stdin, "echo": echo_span(code, tree)}, future))
         return future
 

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from code_sandbox import LIGHT_SKIP, PRELOAD  # noqa: E402
+from code_sandbox import PRELOAD  # noqa: E402
 from code_tool import CodeTool, default_workers  # noqa: E402
 
 TRIVIAL = "print(2+2)"
@@ -112,8 +112,8 @@ FAULTS = "import resource\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_min
 
 def child_faults(extra: tuple[str, ...], n: int = 50) -> float:
     """Mean page faults a trivial call's child has taken by its last line (fork, confinement, compile, run), on a
-    one-server pool of the light preload plus `extra`: what each module in a server costs every call it forks."""
-    light = tuple(m for m in PRELOAD if m in sys.stdlib_module_names and m not in LIGHT_SKIP) + extra
+    one-server pool of the light preload plus `extra`: what a module in a server costs every call it forks."""
+    light = tuple(m for m in PRELOAD if m in sys.stdlib_module_names) + extra
     with CodeTool(workers=1, preload=light) as tool:
         return statistics.mean(int(r.stdout) for r in tool.run_batch([(FAULTS, "")] * n))
 
@@ -174,9 +174,8 @@ def main() -> None:
           f"CodeTool at ~{cores * 1e3 / (server_ms + caller_ms):.0f} calls/s and the plain way at "
           f"~{cores * 1e3 / plain_ms:.0f}: {plain_ms / (server_ms + caller_ms):.1f}x at best")
     base = child_faults(())
-    print(f"Page faults of a trivial call's child on a light server: {base:.0f}; with `random` in the server too "
-          f"(its at-fork reseed): +{child_faults(('random',)) - base:.0f}; with `threading` (its at-fork handler): "
-          f"+{child_faults(('threading',)) - base:.0f}")
+    print(f"Page faults of a trivial call's child on a light server: {base:.0f}; with `threading` in the server too "
+          f"(its at-fork handler, which code_sandbox.py keeps out): +{child_faults(('threading',)) - base:.0f}")
     if any(r[1] != r[2] for r in rows):
         print(f"* the plain alternative with sympy ran at most {plain_cap} interpreters at once (~50 MB each); "
               "with every core busy its throughput cannot rise with more")
