@@ -16,8 +16,10 @@ file size, core, CPU), chdirs to a fresh temporary directory (also $HOME and $TM
 writes into pipes. The fork is the fresh state: builtins patched, chdir, closed descriptors, os._exit or a segfault
 end with the child. The server enforces the wall-clock timeout from outside with SIGKILL (no code can ignore or
 block it) and stops reading at max_output_bytes per stream, killing the call. When the call ends, every process it
-left (setsid() grandchildren, double-forked daemons) is killed and reaped before the result goes back; threads die
-with it. code_sandbox.py's docstring says what a call costs and why the server imports so little.
+left (setsid() grandchildren, double-forked daemons) is killed (SIGKILL: it runs no more code) before the result
+goes back, and reaped; threads die with it. The result goes back as soon as the child has written its status and
+closed its pipes, without waiting for the kernel to unmap it. code_sandbox.py's docstring says what a call costs
+and why the server imports so little.
 
 Sandbox levels (`CodeTool.sandbox`):
 - "namespaces" (util-linux `unshare` works, root or not): each server is init of its own PID, mount and network
@@ -36,9 +38,10 @@ EOF on their stdin, after at most one call).
 
 Not covered: this is not a security boundary against a determined attacker (no seccomp; the kernel is exposed). The
 filesystem is NOT blocked: code can read world-readable files and write world-writable places (/tmp, /dev/shm),
-where files outlive the call (each capped at code_sandbox.FILE_LIMIT_MB). memory_mb caps each process's address space beyond the
-warm server's, not the sum over processes a call starts. Fork bombs stop at code_sandbox.NPROC_LIMIT processes as nobody, and
-otherwise only at the timeout. CPU is shared between calls only by the kernel scheduler.
+where files outlive the call (each capped at code_sandbox.FILE_LIMIT_MB). memory_mb caps each process's address
+space beyond the warm server's, not the sum over processes a call starts. Fork bombs stop at
+code_sandbox.NPROC_LIMIT processes as nobody, and otherwise only at the timeout. CPU is shared between calls only by
+the kernel scheduler.
 
 Demo: `.venv/bin/python code_tool.py`. Tests: tests/test_code_tool.py. Benchmark: bench/code_tool.py.
 """

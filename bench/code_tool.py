@@ -3,8 +3,10 @@
 Workloads: (a) trivial `print(2+2)`; (b) import sympy and solve a quadratic. For each, calls per second and p50/p99
 latency (from issuing a call to its result) with 1, 16 and 256 calls kept in flight. The plain alternative, what
 most RL codebases do, runs `subprocess.run([sys.executable, "-c", code], timeout=...)` on a thread pool of that
-size. The soak sends N calls (2,000; --quick: 500), one in ten hostile (infinite loop, memory bomb, output flood),
-and reports lost or hung calls and the honest calls' throughput.
+size. Each row alternates blocks of the two (3 rounds; full run: 5) and reports the median of the rounds' ratios,
+since a shared machine's speed drifts within a run (hypervisor steal reached 40% here). The soak sends N calls
+(2,000; --quick: 500), one in ten hostile (infinite loop, memory bomb, output flood), and reports lost or hung
+calls and the honest calls' throughput.
 
 Also, side by side: the trivial calls on a pool without light servers (every server preloads numpy and sympy), and
 the CPU one call costs each way. The plain side starts sys.executable, so that interpreter's start-up is the
@@ -41,8 +43,8 @@ def summarize(latencies: list[float], wall: float) -> tuple[float, float, float]
     return len(latencies) / wall, q[49] * 1e3, q[98] * 1e3
 
 
-def plain(code: str, in_flight: int, n: int) -> tuple[float, float, float]:
-    """n calls of a fresh interpreter each, in_flight at a time on a thread pool."""
+def plain(code: str, in_flight: int, n: int) -> tuple[list[float], float]:
+    """n calls of a fresh interpreter each, in_flight at a time on a thread pool: (latencies, wall seconds)."""
     def one(_):
         start = time.perf_counter()
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
@@ -51,7 +53,7 @@ def plain(code: str, in_flight: int, n: int) -> tuple[float, float, float]:
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=in_flight) as pool:
         latencies = list(pool.map(one, range(n)))
-    return summarize(latencies, time.perf_counter() - start)
+    return latencies, time.perf_counter() - start
 
 
 def closed_loop(tool: CodeTool, calls: list[str], in_flight: int) -> tuple[list, list[float], float]:
@@ -72,10 +74,26 @@ def closed_loop(tool: CodeTool, calls: list[str], in_flight: int) -> tuple[list,
     return results, latencies, time.perf_counter() - start
 
 
-def ours(tool: CodeTool, code: str, in_flight: int, n: int) -> tuple[float, float, float]:
+def ours(tool: CodeTool, code: str, in_flight: int, n: int) -> tuple[list[float], float]:
     results, latencies, wall = closed_loop(tool, [code] * n, in_flight)
     assert all(r.ok for r in results), [r for r in results if not r.ok][:1]
-    return summarize(latencies, wall)
+    return latencies, wall
+
+
+def side_by_side(tool: CodeTool, code: str, flights: tuple[int, int], sizes: tuple[int, int], rounds: int) -> tuple:
+    """Blocks of the plain way and of CodeTool, alternated `rounds` times (this shared machine's speed drifts within
+    a run; each round compares like with like). flights, sizes: (plain, ours) calls in flight and calls per block.
+    Returns (plain (calls/s, p50, p99) over all rounds, CodeTool's, the rounds' throughput ratios)."""
+    sides, ratios = {"plain": ([], 0.0), "ours": ([], 0.0)}, []
+    for r in range(rounds):
+        rates = {}
+        for side in ("plain", "ours") if r % 2 == 0 else ("ours", "plain"):
+            latencies, wall = plain(code, flights[0], sizes[0]) if side == "plain" else \
+                ours(tool, code, flights[1], sizes[1])
+            rates[side] = len(latencies) / wall
+            sides[side] = (sides[side][0] + latencies, sides[side][1] + wall)
+        ratios.append(rates["ours"] / rates["plain"])
+    return summarize(*sides["plain"]), summarize(*sides["ours"]), ratios
 
 
 def tree_cpu(pid: int) -> float:
@@ -132,10 +150,11 @@ def soak(tool: CodeTool, n: int, in_flight: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer calls, about a minute")
+    parser.add_argument("--quick", action="store_true", help="fewer calls, about two minutes")
     parser.add_argument("--workers", type=int, default=default_workers())
     args = parser.parse_args()
     scale, plain_cap = (0.25, 16) if args.quick else (1.0, PLAIN_MEMORY_CAP)
+    rounds = 3 if args.quick else 5
     print(f"cores: {os.cpu_count()}, workers: {args.workers}, python: {sys.version.split()[0]}, quick: {args.quick}, "
           f"load average at start: {os.getloadavg()[0]:.1f} (other work on the machine slows both sides)")
     rows = []
@@ -145,25 +164,24 @@ def main() -> None:
         tool.run_batch([(SYMPY, "")] * args.workers * 2)  # warm the servers' first-call paths
         for name, code, plain_n, our_n in (("(a) print(2+2)", TRIVIAL, 160, 1000), ("(b) sympy solve", SYMPY, 24, 400)):
             for in_flight in (1, 16, 256):
-                n_ours = max(int(our_n * scale), 2 * in_flight if in_flight > 1 else 20)
-                ours_row = ours(tool, code, in_flight, n_ours)
                 plain_flight = in_flight if code == TRIVIAL else min(in_flight, plain_cap)
-                n_plain = max(int(plain_n * scale), plain_flight if in_flight > 1 else 4)
-                plain_row = plain(code, plain_flight, n_plain)
-                rows.append((name, in_flight, plain_flight, plain_row, ours_row))
+                sizes = (max(int(plain_n * scale / rounds), plain_flight if in_flight > 1 else 4),
+                         max(int(our_n * scale / rounds), 2 * in_flight if in_flight > 1 else 20))
+                plain_row, ours_row, ratios = side_by_side(tool, code, (plain_flight, in_flight), sizes, rounds)
+                rows.append((name, in_flight, plain_flight, plain_row, ours_row, ratios))
                 print(f"  done {name} at {in_flight} in flight", file=sys.stderr)
         plain_ms, server_ms, caller_ms = cpu_per_call(tool, int(2000 * scale))
     print(f"\n{'workload':<16} {'in flight':>9} | {'plain calls/s':>13} {'p50 ms':>8} {'p99 ms':>8} | "
-          f"{'CodeTool calls/s':>16} {'p50 ms':>7} {'p99 ms':>7} | {'speedup':>7}")
-    for name, in_flight, plain_flight, (p_rate, p50, p99), (o_rate, o50, o99) in rows:
+          f"{'CodeTool calls/s':>16} {'p50 ms':>7} {'p99 ms':>7} | speedup: median of {rounds} rounds (range)")
+    for name, in_flight, plain_flight, (p_rate, p50, p99), (o_rate, o50, o99), ratios in rows:
         flight = f"{in_flight}" if plain_flight == in_flight else f"{in_flight} ({plain_flight}*)"
         print(f"{name:<16} {flight:>9} | {p_rate:>13.1f} {p50:>8.1f} {p99:>8.1f} | {o_rate:>16.1f} {o50:>7.1f} "
-              f"{o99:>7.1f} | {o_rate / p_rate:>6.1f}x")
+              f"{o99:>7.1f} | {statistics.median(ratios):>5.1f}x ({min(ratios):.1f}-{max(ratios):.1f})")
     # The light servers' share, side by side: the same trivial calls on a pool where every server preloads numpy/sympy.
     with CodeTool(workers=args.workers, timeout=10.0, light_workers=0) as heavy_only:
         heavy_only.run_batch([(TRIVIAL, "")] * args.workers * 2)
         for in_flight in (1, 16):
-            rate, p50, p99 = ours(heavy_only, TRIVIAL, in_flight, max(int(1000 * scale), 20))
+            rate, p50, p99 = summarize(*ours(heavy_only, TRIVIAL, in_flight, max(int(1000 * scale), 20)))
             light = next(r[4] for r in rows if r[0] == "(a) print(2+2)" and r[1] == in_flight)
             print(f"(a) without light servers, {in_flight:>3} in flight: {rate:.1f} calls/s, p50 {p50:.1f} ms, "
                   f"p99 {p99:.1f} ms; with them: {light[0]:.1f} calls/s, p99 {light[2]:.1f} ms "
