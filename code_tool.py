@@ -6,11 +6,11 @@ nothing); on error the traceback, cut to the frames of the model's code. `ToolRe
 reads: the status word, a newline, then stdout and stderr cut in the middle ("ok\n4\n" for `print(2+2)`).
 
 Design (the report's separate code service, on one machine): the caller never forks. It starts W worker servers
-(code_sandbox.py) with subprocess and talks JSON lines to each from one thread. A server imports numpy, sympy, ...
-once (PRELOAD), then forks a child per call (a "zygote": about 3 ms of CPU against 18 ms for a new python, 0.5 s or
+(code_sandbox.py) with subprocess and talks JSON lines to all of them from one thread (_Pool). A server imports
+numpy, sympy, ... once (PRELOAD), then forks a child per call (a "zygote": about 3 ms of CPU against 18 ms for a new python, 0.5 s or
 more with sympy). Half the servers preload only the standard-library modules: a call whose code imports nothing
 else (`needs_heavy`) goes to one of those, whose fork costs about half; heavy servers help with such calls only
-where a core may be free (_JobBoard). The caller parses the code once, to route it and to find the expression a
+where a core may be free (pick_lane). The caller parses the code once, to route it and to find the expression a
 notebook echoes. The child drops to uid 65534 (nobody) when the server is root, sets hard rlimits (address space,
 file size, core, CPU), chdirs to a fresh temporary directory (also $HOME and $TMPDIR), reads stdin from a memfd and
 writes into pipes. The fork is the fresh state: builtins patched, chdir, closed descriptors, os._exit or a segfault
@@ -59,6 +59,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -150,165 +151,239 @@ def sandbox_prefix() -> tuple[str, list[str]]:
 
 
 class WorkerDied(Exception):
-    """A worker server exited, broke the protocol, stopped answering or was retired by close()."""
+    """A worker server exited, broke the protocol or stopped answering."""
 
 
 class _Server:
-    """One worker server process and the pipe protocol to it; driven by one caller thread, retired by close()."""
+    """One worker server process and its pipes, driven by the pool (_Pool). Its state: "starting" (the ready line is
+    due by `deadline`), "idle", "busy" (on `future`, whose answer is due by `deadline`, since `since`), "failed"
+    (a send failed; the pool's thread restarts it) or "down" (to start again at `deadline`)."""
 
     def __init__(self, cmd: list[str], env: dict, namespaced: bool, kind: str = "heavy"):
         self.cmd, self.env, self.namespaced, self.kind = cmd, env, namespaced, kind  # kind: which calls it takes
-        self.proc, self.buf, self.retired, self.lock = None, b"", False, threading.Lock()
+        self.proc, self.buf, self.base = None, b"", None
+        self.state, self.future, self.deadline, self.since, self.error = "down", None, 0.0, 0.0, None
 
     def start(self) -> None:
-        with self.lock:
-            if self.retired:
-                raise WorkerDied("code tool closed")
-            # tmpfs when there is one: on ext4 with discard, creating and removing a directory cost 3 ms per call
-            self.base = tempfile.mkdtemp(prefix="codetool-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
-            os.chmod(self.base, 0o711)  # nobody may enter its own call directory but not list the others
-            self.proc = subprocess.Popen([*self.cmd, self.base], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         env=self.env, start_new_session=True)  # a Ctrl-C to the caller stays here
-            self.buf = b""
+        # tmpfs when there is one: on ext4 with discard, creating and removing a directory cost 3 ms per call
+        self.base = tempfile.mkdtemp(prefix="codetool-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+        os.chmod(self.base, 0o711)  # nobody may enter its own call directory but not list the others
+        self.proc = subprocess.Popen([*self.cmd, self.base], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=self.env, start_new_session=True)  # a Ctrl-C to the caller stays here
+        self.buf, self.state, self.deadline = b"", "starting", time.monotonic() + READY_TIMEOUT_S
 
-    def receive(self, deadline: float) -> dict:
-        fd, poller = self.proc.stdout.fileno(), select.poll()
-        poller.register(fd, select.POLLIN)
-        while b"\n" not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not poller.poll(left * 1000 + 1):
-                raise WorkerDied("no reply in time")
-            if not (chunk := os.read(fd, 1 << 20)):
-                raise WorkerDied(f"exited with {self.proc.wait()}")
-            self.buf += chunk
-        line, _, self.buf = self.buf.partition(b"\n")
-        return json.loads(line)
-
-    def call(self, request: dict, wait: float) -> dict:
+    def send(self, request: dict) -> None:
         try:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             raise WorkerDied(f"cannot send: {exc}") from exc
-        return self.receive(time.monotonic() + wait)
 
-    def stop(self, retire: bool = False) -> None:
-        """End the server and all below it (SIGKILL to unshare takes the namespace down); retire: never restart."""
-        with self.lock:
-            self.retired |= retire
-            if self.proc is None:
-                return
+    def read(self) -> list[dict]:
+        """The whole lines the server wrote since the last read; call when its pipe is readable."""
+        if not (chunk := os.read(self.proc.stdout.fileno(), 1 << 20)):
+            raise WorkerDied(f"exited with {self.proc.wait()}")
+        *lines, self.buf = (self.buf + chunk).split(b"\n")
+        try:
+            return [json.loads(line) for line in lines]
+        except ValueError as exc:
+            raise WorkerDied(f"broke the protocol: {exc}") from exc
+
+    def wait_ready(self) -> None:
+        """Block until the ready line (at start-up, before the pool's thread runs)."""
+        poller = select.poll()
+        poller.register(self.proc.stdout.fileno(), select.POLLIN)
+        while self.state == "starting":
+            if (left := self.deadline - time.monotonic()) <= 0 or not poller.poll(left * 1000 + 1):
+                raise WorkerDied("not ready in time")
+            if any(reply.get("ready") for reply in self.read()):
+                self.state = "idle"
+
+    def stop(self) -> None:
+        """End the server and all below it (SIGKILL to unshare takes the namespace down)."""
+        if self.proc is not None:
             if not self.namespaced and self.proc.poll() is None:
                 self.proc.terminate()  # the server kills its call's process tree on the way out
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(2)
             self.proc.kill()
-            self.proc.wait()  # pipes close when the Popen is dropped (closing here could race the reading thread)
+            self.proc.wait()
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                with contextlib.suppress(OSError):
+                    pipe.close()
             shutil.rmtree(self.base, ignore_errors=True)
+        self.proc, self.state = None, "down"
 
 
-class _JobBoard:
-    """Queued calls in two lanes. A "light" server (standard-library preload) takes light calls; a "heavy" server
-    (numpy, sympy, ...) takes heavy calls first, and light ones only when no light server is idle and fewer than
-    `cores` light servers are on quick calls (younger than help_after seconds; the others are on slow calls or
-    restarting). Forking a heavy server costs a trivial call about twice the CPU of a light one, so helping pays
-    only where a core may be free: enough quick light servers keep every core busy at half the price
-    (bench/code_tool.py measures both)."""
+def pick_lane(kind: str, queued: dict[str, int], idle_light: int, light_ages: list[float], cores: int,
+              help_after: float) -> str | None:
+    """The queue an idle server of this kind takes its next call from, if any. A light server takes light calls; a
+    heavy one takes heavy calls first, and light calls only when no light server is idle and fewer than `cores`
+    light servers are on calls younger than help_after seconds (light_ages: how long each busy light server has been
+    on its call). A heavy server's fork costs a trivial call about twice the CPU of a light one, so it helps only
+    where a core may be free: enough quick light servers keep every core busy at half the price."""
+    if kind == "heavy" and queued["heavy"]:
+        return "heavy"
+    quick = sum(age < help_after for age in light_ages)
+    if queued["light"] and (kind == "light" or (idle_light == 0 and quick < cores)):
+        return "light"
+    return None
 
-    def __init__(self, help_after: float, cores: int):
-        self.lock, self.lanes, self.closed = threading.Lock(), {"light": [], "heavy": []}, False
-        # one condition per kind of server on the one lock: an event wakes one server that can act on it, not all
-        # of them (a thread switch costs the caller about 45 us here; waking all eight cost a tenth of a call's CPU)
-        self.wake = {kind: threading.Condition(self.lock) for kind in self.lanes}
+
+class _Pool:
+    """The servers and the calls queued for them, driven by one thread (run()): it reads every answer, hands the
+    next calls out, enforces reply deadlines and restarts dead servers. submit() gives a call straight to an idle
+    server from the caller's thread. (A thread per server cost the caller 0.47-0.52 ms of CPU per call at 16 in
+    flight against 0.35-0.38 for this, most of it thread switches and GIL hand-offs.)"""
+
+    def __init__(self, servers: list[_Server], limits: dict, max_chars: int, help_after: float, cores: int):
+        self.servers, self.limits, self.max_chars = servers, limits, max_chars
         self.help_after, self.cores = help_after, cores
-        self.idle_light, self.light_since = 0, {}  # light servers waiting; light server -> when its call began
+        self.lock, self.queues, self.closed = threading.Lock(), {"light": deque(), "heavy": deque()}, False
+        self.wake_r, self.wake_w = os.pipe()  # close(), failed sends and waiting light calls wake the thread
+        os.set_blocking(self.wake_w, False)
+        self.sleep_until = 0.0  # when the thread wakes at the latest
+        self.thread = threading.Thread(target=self.run, daemon=True, name="code-tool")
 
-    def put(self, lane: str, job) -> None:
+    def _hand_out(self) -> list[tuple[_Server, dict]]:
+        """Under the lock: give queued calls to idle servers (light servers first), marking them busy."""
+        given, now = [], time.monotonic()
+        for server in sorted(self.servers, key=lambda s: s.kind != "light"):
+            while server.state == "idle":
+                light = [s for s in self.servers if s.kind == "light"]
+                lane = pick_lane(server.kind, {k: len(q) for k, q in self.queues.items()},
+                                 sum(s.state == "idle" for s in light if s is not server),
+                                 [now - s.since for s in light if s.state == "busy"], self.cores, self.help_after)
+                if lane is None:
+                    break
+                request, future = self.queues[lane].popleft()
+                if future.set_running_or_notify_cancel():
+                    server.state, server.future, server.since = "busy", future, now
+                    server.deadline = now + self.limits["timeout"] + REPLY_GRACE_S
+                    given.append((server, request))
+        return given
+
+    def _send(self, given: list[tuple[_Server, dict]]) -> None:
+        """Outside the lock: send each call to its server; a failed send leaves the restart to the pool's thread."""
+        for server, request in given:
+            try:
+                server.send({**request, **self.limits})
+            except WorkerDied as exc:
+                with self.lock:
+                    server.state, server.error = "failed", exc
+                self._wake()
+
+    def submit(self, lane: str, request: dict, future: Future) -> None:
         with self.lock:
             if self.closed:
                 raise RuntimeError("CodeTool is closed")
-            self.lanes[lane].append(job)
-            self.wake[lane].notify()
-            self._pass_on()
+            self.queues[lane].append((request, future))
+            given = self._hand_out()
+            # a light call left waiting with a heavy server idle: the thread must wake when a light call turns slow
+            helps = [s.since + self.help_after for s in self.servers if s.kind == "light" and s.state == "busy"]
+            wake = lane == "light" and self.queues["light"] and min(helps, default=0.0) < self.sleep_until and \
+                any(s.kind == "heavy" and s.state == "idle" for s in self.servers)
+        self._send(given)
+        if wake:
+            self._wake()
 
-    def take(self, kind: str, server):
-        """The next job for this server, of this kind; None once closed."""
+    def _wake(self) -> None:
+        with self.lock, contextlib.suppress(BlockingIOError):  # (a full pipe wakes the thread anyway)
+            if self.wake_w is not None:  # (None: the thread has ended)
+                os.write(self.wake_w, b"x")
+
+    def _close_wake(self) -> None:
         with self.lock:
-            self.light_since.pop(server, None)  # its last call (if any) is done
-            while not self.closed:
-                if kind == "heavy" and self.lanes["heavy"]:
-                    return self._pop("heavy")
-                wait = None
-                if self.lanes["light"] and kind == "light":
-                    self.light_since[server] = time.monotonic()
-                    return self._pop("light")
-                if self.lanes["light"] and self.idle_light == 0 and (wait := self._help_in()) <= 0:
-                    return self._pop("light")
-                self.idle_light += kind == "light"
-                self.wake[kind].wait(wait)  # timed while light calls queue: the light servers' calls may turn slow
-                self.idle_light -= kind == "light"
-            return None
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            self.wake_r = self.wake_w = None
 
-    def _help_in(self) -> float:
-        """Seconds until a heavy server may take a light call (<= 0: now): until fewer than `cores` light servers
-        are on calls younger than help_after."""
-        quick = sorted(age for t in self.light_since.values() if (age := time.monotonic() - t) < self.help_after)
-        return 0.0 if len(quick) < self.cores else self.help_after - quick[self.cores - 1]
+    def _crash(self, future: Future | None, why: str) -> None:
+        if future is not None and not future.done():
+            future.set_result(ToolResult("crash", "", why, 0.0, self.max_chars))
 
-    def _pop(self, lane: str):
-        job = self.lanes[lane].pop(0)
-        self._pass_on()
-        return job
+    def _restart(self, server: _Server, exc: Exception) -> None:
+        """The pool's thread: the server died or hung; its call fails, a new server starts in its slot."""
+        with self.lock:
+            future, server.future = server.future, None
+        self._crash(future, f"worker failed: {exc}\n")
+        server.stop()
+        try:
+            server.start()
+        except OSError:
+            server.deadline = time.monotonic() + 0.5  # try again soon (state "down")
 
-    def _pass_on(self) -> None:
-        """Light calls queue and no light server waits for them: wake one heavy server to help now or to time its
-        wait (and it passes the turn on in turn when it takes a job)."""
-        if self.lanes["light"] and self.idle_light == 0:
-            self.wake["heavy"].notify()
+    def run(self) -> None:
+        poller, by_fd = select.poll(), {}
+        poller.register(self.wake_r, select.POLLIN)
+        while True:
+            for fd in [fd for fd, s in by_fd.items() if s.proc is None or s.proc.stdout.fileno() != fd]:
+                poller.unregister(fd)
+                del by_fd[fd]
+            for server in self.servers:
+                if server.proc is not None and server.proc.stdout.fileno() not in by_fd:
+                    by_fd[server.proc.stdout.fileno()] = server
+                    poller.register(server.proc.stdout.fileno(), select.POLLIN)
+            with self.lock:
+                if self.closed:
+                    break
+                given = self._hand_out()
+                now = time.monotonic()
+                due = [s.deadline for s in self.servers if s.state in ("starting", "busy", "down")]
+                if self.queues["light"]:  # when a heavy server may start helping
+                    due += [s.since + self.help_after for s in self.servers if s.kind == "light" and s.state == "busy"]
+                wait = min([1.0] + [t - now for t in due if t > now])  # the next deadline or help time (1 s at most)
+                self.sleep_until = now + wait
+            self._send(given)
+            for fd, _ in poller.poll(wait * 1000):
+                if fd == self.wake_r:
+                    os.read(self.wake_r, 4096)
+                    continue
+                server = by_fd[fd]
+                try:
+                    replies = server.read()
+                except WorkerDied as exc:
+                    self._restart(server, exc)
+                    continue
+                for reply in replies:
+                    with self.lock:
+                        future, server.future = server.future, None
+                        server.state = "idle"
+                    if future is not None and not reply.get("ready"):  # (callbacks run here, outside the lock)
+                        future.set_result(ToolResult(**reply, max_chars=self.max_chars))
+            now = time.monotonic()
+            for server in self.servers:
+                if server.state == "failed":
+                    self._restart(server, server.error)
+                elif server.state in ("busy", "starting") and now > server.deadline:
+                    self._restart(server, WorkerDied("no reply in time"))
+                elif server.state == "down" and now > server.deadline:
+                    self._restart(server, WorkerDied("down"))
+        for server in self.servers:  # closed: the calls still running fail, every server ends
+            with self.lock:
+                future, server.future = server.future, None
+            self._crash(future, "code tool closed during the call\n")
+            server.stop()
+        self._close_wake()
 
-    def close(self) -> list:
-        """Refuse new calls, wake every server thread, and return the calls still queued."""
+    def close(self) -> None:
+        """Refuse new calls, fail the queued and running ones, and end every server (close(), GC or exit)."""
         with self.lock:
             self.closed = True
-            left = self.lanes["light"] + self.lanes["heavy"]
-            self.lanes = {"light": [], "heavy": []}
-            for wake in self.wake.values():
-                wake.notify_all()
-            return left
-
-
-def _serve_jobs(server: _Server, jobs: _JobBoard, limits: dict, max_chars: int) -> None:
-    """One caller thread per server: take a job, run it there, resolve its future; replace the server if it died."""
-    while (job := jobs.take(server.kind, server)) is not None:
-        call, future = job  # call: {"code", "stdin", "echo"}
-        if not future.set_running_or_notify_cancel():
-            continue
-        try:
-            reply = server.call({**call, **limits}, limits["timeout"] + REPLY_GRACE_S)
-            future.set_result(ToolResult(**reply, max_chars=max_chars))
-            continue
-        except Exception as exc:  # died, hung or closed mid-call: this call fails, the slot gets a new server
-            future.set_result(ToolResult("crash", "", f"worker failed: {exc}\n", 0.0, max_chars))
-        server.stop()
-        while not server.retired:
-            try:
-                server.start()
-                server.receive(time.monotonic() + READY_TIMEOUT_S)
-                break
-            except Exception:
+            queued = [future for queue in self.queues.values() for _, future in queue]
+            for queue in self.queues.values():
+                queue.clear()
+        for future in queued:  # (the running ones are the pool thread's to fail, as it stops)
+            if future.set_running_or_notify_cancel():
+                self._crash(future, "code tool closed before the call ran\n")
+        if self.thread.is_alive():
+            self._wake()
+            if self.thread is not threading.current_thread():  # (from a callback, it ends after this round)
+                self.thread.join()
+        else:  # never started (start-up failed)
+            for server in self.servers:
                 server.stop()
-                time.sleep(0.5)
-
-
-def _shutdown(servers: list[_Server], jobs: _JobBoard) -> None:
-    """Fail the calls still queued, stop the threads and end every server (close(), GC or interpreter exit)."""
-    for server in servers:
-        server.retired = True
-    for _, future in jobs.close():  # submit() refuses from now on
-        if future.set_running_or_notify_cancel():
-            future.set_result(ToolResult("crash", "", "code tool closed before the call ran\n"))
-    for server in servers:
-        server.stop(retire=True)
+            self._close_wake()
 
 
 class CodeTool:
@@ -320,7 +395,7 @@ class CodeTool:
     modules each server imports once; light_workers: how many servers preload only its standard-library part
     (default half of them, when preload has more than that and workers >= 2). Calls that import nothing beyond the
     standard library (`needs_heavy`) go to those: forking a server without numpy and sympy costs about half. Heavy
-    servers help with them only while fewer light servers than cores are on quick calls (see _JobBoard)."""
+    servers help with them only while fewer light servers than cores are on quick calls (see pick_lane)."""
 
     def __init__(self, workers: int | None = None, timeout: float = 4.0, memory_mb: int = 512,
                  max_output_chars: int = 1000, max_output_bytes: int = 1 << 20, preload: tuple = PRELOAD,
@@ -333,30 +408,29 @@ class CodeTool:
         wanted = self.workers // 2 if light_workers is None else light_workers
         self.light_workers = 0 if len(light) == len(preload) else max(0, min(self.workers - 1, wanted))
         serve = [*prefix, sys.executable, os.path.abspath(code_sandbox.__file__), "--serve"]
-        self._jobs = _JobBoard(LIGHT_HELP_AFTER_S, os.cpu_count() or 1)
-        self._servers = [_Server(serve + [",".join(light if i < self.light_workers else preload)], env,
-                                 self.sandbox == "namespaces", "light" if i < self.light_workers else "heavy")
-                         for i in range(self.workers)]
-        self._finalizer = weakref.finalize(self, _shutdown, self._servers, self._jobs)
+        servers = [_Server(serve + [",".join(light if i < self.light_workers else preload)], env,
+                           self.sandbox == "namespaces", "light" if i < self.light_workers else "heavy")
+                   for i in range(self.workers)]
+        limits = {"timeout": timeout, "memory_mb": memory_mb, "max_bytes": max_output_bytes}
+        # the pool and its thread hold no reference to self, so garbage collection can close it
+        self._pool = _Pool(servers, limits, max_output_chars, LIGHT_HELP_AFTER_S, os.cpu_count() or 1)
+        self._finalizer = weakref.finalize(self, self._pool.close)
         try:
-            for server in self._servers:
+            for server in servers:
                 server.start()
-            for server in self._servers:
-                server.receive(time.monotonic() + READY_TIMEOUT_S)
+            for server in servers:
+                server.wait_ready()
         except (WorkerDied, OSError) as exc:
             self.close()
             raise RuntimeError(f"code tool worker failed to start: {exc}") from exc
-        limits = {"timeout": timeout, "memory_mb": memory_mb, "max_bytes": max_output_bytes}
-        for server in self._servers:  # the threads hold no reference to self, so garbage collection can close it
-            threading.Thread(target=_serve_jobs, args=(server, self._jobs, limits, max_output_chars), daemon=True,
-                             name="code-tool").start()
+        self._pool.thread.start()
 
     def submit(self, code: str, stdin: str = "") -> Future:
         """Queue one call; the Future resolves to its ToolResult (it never raises, nor waits past timeout + grace)."""
         future: Future = Future()
         tree = parse(code)  # once, here: for the lane and for the notebook echo (the call child only compiles)
         lane = "heavy" if not self.light_workers or needs_heavy(code, tree) else "light"
-        self._jobs.put(lane, ({"code": code, "stdin": stdin, "echo": echo_span(code, tree)}, future))
+        self._pool.submit(lane, {"code": code, "stdin": stdin, "echo": echo_span(code, tree)}, future)
         return future
 
     def run(self, code: str, stdin: str = "") -> ToolResult:
@@ -368,7 +442,7 @@ class CodeTool:
 
     def server_pids(self) -> list[int]:
         """Pids of the worker servers as the caller sees them (the unshare processes where namespaced)."""
-        return [s.proc.pid for s in self._servers if s.proc is not None]
+        return [s.proc.pid for s in self._pool.servers if s.proc is not None]
 
     def close(self) -> None:
         self._finalizer()

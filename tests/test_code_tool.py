@@ -371,7 +371,7 @@ def test_close_leaves_no_process_behind():
     future = t.submit("import subprocess, time\nsubprocess.Popen(['sleep', '30'], start_new_session=True)\n"
                       "time.sleep(30)")
     time.sleep(0.5)
-    ours, bases = processes_of(t), [s.base for s in t._servers]
+    ours, bases = processes_of(t), [s.base for s in t._pool.servers]
     assert len(ours) >= t.workers + 2 and all(os.path.isdir(b) for b in bases)  # servers, call child, its sleep
     t.close()
     assert not any(os.path.exists(b) for b in bases)  # the servers' directories too
@@ -437,56 +437,40 @@ def test_plain_calls_fork_from_a_light_server_and_imports_from_a_heavy_one(tool)
 
 
 def test_heavy_servers_help_with_light_calls_only_where_a_core_may_be_free():
-    board, light, heavy = code_tool._JobBoard(help_after=0.3, cores=2), [object(), object()], object()
-    for job in range(4):
-        board.put("light", job)
-    start = time.monotonic()
-    assert [board.take("light", server) for server in light] == [0, 1]
-    assert board.take("heavy", heavy) == 2  # two light calls keep both cores busy until one of them turns slow
-    assert 0.3 - 0.02 < time.monotonic() - start < 1.0
-    board = code_tool._JobBoard(help_after=0.3, cores=3)
-    for job in range(3):
-        board.put("light", job)
-    start = time.monotonic()
-    assert [board.take("light", server) for server in light] == [0, 1]
-    assert board.take("heavy", heavy) == 2  # two quick light servers cannot keep three cores busy: help at once
-    assert time.monotonic() - start < 0.1
+    pick = code_tool.pick_lane
+    queued = {"light": 3, "heavy": 1}
+    assert pick("heavy", queued, 0, [0.01, 0.02], cores=2, help_after=0.1) == "heavy"  # its own calls first
+    assert pick("light", queued, 0, [0.01], cores=2, help_after=0.1) == "light"
+    only_light = {"light": 3, "heavy": 0}
+    assert pick("heavy", only_light, 0, [0.01, 0.02], cores=2, help_after=0.1) is None  # two quick: cores busy
+    assert pick("heavy", only_light, 0, [0.01, 0.5], cores=2, help_after=0.1) == "light"  # one turned slow
+    assert pick("heavy", only_light, 0, [0.01], cores=2, help_after=0.1) == "light"  # a light server is down
+    assert pick("heavy", only_light, 1, [0.5, 0.5], cores=2, help_after=0.1) is None  # a light server is idle
+    assert pick("light", {"light": 0, "heavy": 2}, 0, [], cores=2, help_after=0.1) is None
 
 
-def test_the_job_board_loses_no_call_under_concurrency():
-    """Two light and two heavy server threads drain 3,000 calls put from two threads, mixed lanes and lengths:
-    each call is taken exactly once, heavy calls only by heavy servers, and nothing is left waiting."""
-    import random
+def test_the_pool_loses_no_call_under_concurrency():
+    """Two threads submit 240 mixed calls (light and heavy, quick and slow, some failing) to one light and one
+    heavy server: every call gets its own right answer, heavy calls only on the heavy server."""
     import threading
-    board, taken, lock = code_tool._JobBoard(help_after=0.002, cores=1), [], threading.Lock()
-
-    def server(kind):
-        me = object()
-        while (job := board.take(kind, me)) is not None:
-            time.sleep(random.random() * 0.001 if job % 7 else 0.004)  # some light calls turn "slow"
-            with lock:
-                taken.append((job, kind))
-    threads = [threading.Thread(target=server, args=(kind,)) for kind in ("light", "light", "heavy", "heavy")]
-    for thread in threads:
-        thread.start()
-
-    def producer(start):
-        for job in range(start, 3000, 2):
-            board.put("heavy" if job % 3 == 0 else "light", job)
-    producers = [threading.Thread(target=producer, args=(start,)) for start in (0, 1)]
-    for thread in producers:
-        thread.start()
-    for thread in producers:
-        thread.join()
-    deadline = time.monotonic() + 30
-    while len(taken) < 3000 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert board.close() == []
-    for thread in threads:
-        thread.join(5)
-    assert sorted(job for job, _ in taken) == list(range(3000))
-    assert all(kind == "heavy" for job, kind in taken if job % 3 == 0)
-    assert any(kind == "heavy" for job, kind in taken if job % 3)  # heavy servers did help with slow light calls
+    heavy = "import sys\npreloaded = 'numpy' in sys.modules\nimport numpy\nprint({i}, preloaded)"
+    code = {0: "print({i})", 1: heavy, 2: "import time\ntime.sleep(0.02)\n{i}", 3: "import json\nprint(json.dumps({i}))",
+            4: "1 / 0"}
+    want = {0: "{i}\n", 1: "{i} True\n", 2: "{i}\n", 3: "{i}\n", 4: ""}
+    results = {}
+    with CodeTool(workers=2, timeout=TIMEOUT, preload=("math", "numpy")) as t:
+        def producer(start):
+            for i in range(start, 240, 2):
+                results[i] = t.submit(code[i % 5].format(i=i))
+        threads = [threading.Thread(target=producer, args=(start,)) for start in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        got = {i: f.result(timeout=60) for i, f in results.items()}
+    assert sorted(got) == list(range(240))
+    assert all(r.stdout == want[i % 5].format(i=i) for i, r in got.items())
+    assert all(r.status == "error" for i, r in got.items() if i % 5 == 4)
 
 
 @pytest.fixture
@@ -500,7 +484,7 @@ def one_core(monkeypatch):
 
 def test_a_burst_of_quick_light_calls_stays_on_the_light_server(one_core, monkeypatch):
     """A heavy server's fork costs a trivial call twice the CPU: quick light calls queue for the light server."""
-    monkeypatch.setattr(one_core._jobs, "help_after", 5.0)  # "quick", even on a loaded CI machine
+    monkeypatch.setattr(one_core._pool, "help_after", 5.0)  # "quick", even on a loaded CI machine
     results = one_core.run_batch([("import sys\nprint('numpy' in sys.modules)", "")] * 40)
     assert [r.stdout for r in results] == ["False\n"] * 40
 
