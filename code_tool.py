@@ -7,19 +7,19 @@ reads: the status word, a newline, then stdout and stderr cut in the middle ("ok
 
 Design (the report's separate code service, on one machine): the caller never forks. It starts W worker servers
 (code_sandbox.py) with subprocess and talks JSON lines to all of them from one thread (_Pool). A server imports
-numpy, sympy, ... once (PRELOAD), then forks a child per call (a "zygote": about 3 ms of CPU against 18 ms for a new python, 0.5 s or
-more with sympy). Half the servers preload only the standard-library modules: a call whose code imports nothing
-else (`needs_heavy`) goes to one of those, whose fork costs about half; heavy servers help with such calls only
-where a core may be free (pick_lane). The caller parses the code once, to route it and to find the expression a
-notebook echoes. The child drops to uid 65534 (nobody) when the server is root, sets hard rlimits (address space,
-file size, core, CPU), chdirs to a fresh temporary directory (also $HOME and $TMPDIR), reads stdin from a memfd and
-writes into pipes. The fork is the fresh state: builtins patched, chdir, closed descriptors, os._exit or a segfault
-end with the child. The server enforces the wall-clock timeout from outside with SIGKILL (no code can ignore or
-block it) and stops reading at max_output_bytes per stream, killing the call. When the call ends, every process it
-left (setsid() grandchildren, double-forked daemons) is killed (SIGKILL: it runs no more code) before the result
-goes back, and reaped; threads die with it. The result goes back as soon as the child has written its status and
-closed its pipes, without waiting for the kernel to unmap it. code_sandbox.py's docstring says what a call costs
-and why the server imports so little.
+numpy, sympy, ... once (PRELOAD), then forks a child per call (a "zygote": about 3 ms of CPU against 15-18 ms for a
+new python, 0.5 s or more with sympy). Half the servers preload only the standard-library modules: a call whose code
+imports nothing else (`needs_heavy`) goes to one of those, whose fork costs about half; heavy servers help with such
+calls only where a core may be free (pick_lane). The caller parses the code once, to route it and to find the
+expression a notebook echoes. The child drops to uid 65534 (nobody) when the server is root, sets hard rlimits
+(address space, file size, core, CPU), chdirs to a fresh temporary directory (also $HOME and $TMPDIR), reads stdin
+from a memfd and writes into pipes. The fork is the fresh state: builtins patched, chdir, closed descriptors,
+os._exit or a segfault end with the child. The server enforces the wall-clock timeout from outside with SIGKILL (no
+code can ignore or block it) and stops reading at max_output_bytes per stream, killing the call. When the call ends,
+every process it left (setsid() grandchildren, double-forked daemons) is killed (SIGKILL: it runs no more code)
+before the result goes back, and reaped; threads die with it. The result goes back as soon as the child has written
+its status and closed its pipes, without waiting for the kernel to unmap it. code_sandbox.py's docstring says what a
+call costs and why the server imports so little.
 
 Sandbox levels (`CodeTool.sandbox`):
 - "namespaces" (util-linux `unshare` works, root or not): each server is init of its own PID, mount and network
@@ -76,7 +76,7 @@ class ToolResult:
     status: str  # one of code_sandbox.STATUSES
     stdout: str = ""  # what the code printed (decoded with replacement), or the echoed value of its last expression
     stderr: str = ""  # what it wrote to stderr, then the compact traceback or the reason it was stopped
-    elapsed: float = 0.0  # seconds from fork to exit on the server (queueing not included)
+    elapsed: float = 0.0  # seconds from fork to the child's last word or exit, on the server (no queueing)
     max_chars: int = field(default=1000, repr=False)  # render()'s default cut, the tool's max_output_chars
 
     @property
