@@ -1,4 +1,4 @@
-"""Evaluate a checkpoint the way the report does (rStar2-Agent report, evaluation; rstar2-agent.md section 7).
+"""Evaluate a checkpoint the way the rStar2-Agent report does (its evaluation protocol: pass@1 over k samples).
 
     python eval.py configs/tiny/eval.yaml                              # tiny pipeline's held-out split
     python eval.py model_path=PATH benchmarks=[aime24,aime25] sampler=vllm   # report settings (the defaults)
@@ -22,10 +22,8 @@ each tool call's code, stdin, status and the response the model saw, the extract
 and log-probs are left out (30K ids x 16 samples x 500 problems would dominate the file); counts are kept.
 
 Benchmarks: a JSONL path ({"problem", "answer", ...} per line; a bad line stops with file:line), or a name from
-HUB_BENCHMARKS, fetched from the Hugging Face hub (cached by huggingface_hub; the repos rStar2-Agent's own loaders
-use, see ../shared/data/SOURCES.md) and written as JSONL to out_dir/benchmarks/ so the run records what it read.
-aime24 and hmmt25 are parquet-only on the hub: reading them needs `pip install pyarrow`; without it the error says
-so (pass the JSONL copy instead). Offline, pass the JSONL paths (../shared/data holds all four).
+BENCHMARKS (aime24, aime25, hmmt25, math500), which reads the copy shipped in data/ (no network; sources, licences
+and the checks made on them: data/SOURCES.md).
 
 `unsolved_out`: the problems solved fewer than k of k times, written with their input fields: report section 6's
 stage-3 data ("the problems the stage-2 policy did not solve 8 of 8 times"), e.g.
@@ -57,15 +55,9 @@ from protocol import DEFAULT_USER_INSTRUCTION, IM_END, chat_format, parse_tool_c
 from reward import check_many, extract_answer, is_equivalent
 from rollout import rollout
 
-# Well-known names -> (hub dataset repo, file name pattern at the root or one folder down, field holding the
-# problem text). The repos rStar2-Agent's loaders name (microsoft/rStar data_preprocess/) and MathArena's own HMMT
-# data (see SOURCES.md); layouts as the hub listed them (not fetched from this machine, which has no hub access).
-HUB_BENCHMARKS = {
-    "aime24": ("HuggingFaceH4/aime_2024", "train-*.parquet", "problem"),  # 30, parquet only
-    "aime25": ("opencompass/AIME2025", "aime2025-*.jsonl", "question"),  # 30: parts I and II
-    "hmmt25": ("MathArena/hmmt_feb_2025", "train-*.parquet", "problem"),  # 30, parquet only
-    "math500": ("HuggingFaceH4/MATH-500", "test.jsonl", "problem"),  # 500
-}
+# Benchmark names -> the copies shipped in data/ (sources, licences and checks: data/SOURCES.md).
+DATA_DIR = Path(__file__).resolve().parent / "data"
+BENCHMARKS = {name: DATA_DIR / f"{name}.jsonl" for name in ("aime24", "aime25", "hmmt25", "math500")}
 
 
 @dataclass
@@ -226,48 +218,14 @@ def trajectory_record(benchmark: str, problem: dict, problem_index: int, sample:
 
 
 # ============================================================================ benchmarks
-def load_benchmark(spec: str, cache_dir) -> tuple[str, list[dict]]:
-    """(name, problems) for a JSONL path or a HUB_BENCHMARKS name; raises ValueError naming what is wrong."""
+def load_benchmark(spec: str) -> tuple[str, list[dict]]:
+    """(name, problems) for a JSONL path or a BENCHMARKS name; raises ValueError naming what is wrong."""
     path = Path(spec)
     if path.suffix == ".jsonl" or path.is_file() or "/" in spec:
         return path.stem, load_problems(path)
-    if spec not in HUB_BENCHMARKS:
-        raise ValueError(f"unknown benchmark {spec!r}: give a JSONL path or one of {', '.join(HUB_BENCHMARKS)}")
-    try:
-        rows = fetch_hub_benchmark(spec)
-    except OSError as e:  # huggingface_hub's network, offline and not-found errors derive from OSError
-        raise ValueError(f"could not fetch {spec} from the hub ({type(e).__name__}: {e}); offline, pass the "
-                         f"JSONL path instead (../shared/data/{spec}.jsonl)") from None
-    local = write_jsonl(Path(cache_dir) / f"{spec}.jsonl", rows)
-    return spec, load_problems(local)
-
-
-def fetch_hub_benchmark(name: str) -> list[dict]:
-    """Rows {"id", "problem", "answer", "source"} of a HUB_BENCHMARKS entry (downloaded once, then cached)."""
-    from huggingface_hub import snapshot_download
-    repo, pattern, text_field = HUB_BENCHMARKS[name]
-    folder = Path(snapshot_download(repo, repo_type="dataset", allow_patterns=[pattern, f"*/{pattern}"]))
-    files = sorted(folder.rglob(pattern))
-    if not files:
-        raise ValueError(f"{name}: no file matching {pattern} in the hub dataset {repo}")
-    rows = []
-    for file in files:
-        for row in _read_rows(file, name):
-            ids = [row[k] for k in ("id", "unique_id", "problem_idx") if row.get(k) is not None]
-            rows.append({"id": str(ids[0]) if ids else f"{name}-{len(rows)}", "problem": row.get(text_field),
-                         "answer": str(row.get("answer", "")), "source": f"{repo}:{file.relative_to(folder)}"})
-    return rows
-
-
-def _read_rows(file: Path, name: str) -> list[dict]:
-    if file.suffix == ".jsonl":
-        return [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ValueError(f"{name} is stored as parquet on the hub: `pip install pyarrow`, or pass a JSONL copy "
-                         f"(../shared/data/{name}.jsonl)") from None
-    return pq.read_table(file).to_pylist()
+    if spec not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {spec!r}: give a JSONL path or one of {', '.join(BENCHMARKS)}")
+    return spec, load_problems(BENCHMARKS[spec])
 
 
 # ============================================================================ command line
@@ -337,7 +295,7 @@ def run(cfg: EvalConfig) -> dict:
     save_config(cfg, out / "config.yaml")
     try:  # every input error before the model loads
         check_model_path(cfg.model_path)
-        benches = [load_benchmark(b, out / "benchmarks") for b in cfg.benchmarks]
+        benches = [load_benchmark(b) for b in cfg.benchmarks]
     except ValueError as e:
         raise SystemExit(f"input error: {e}") from None
     names = [n for n, _ in benches]

@@ -10,9 +10,9 @@ Three checkers, each given the same extracted answers:
   parser, tuple/list splitting, then sympy `simplify(a - b) == 0` with a 30-digit numeric fallback.
 
 Printed: checks per second on integer answers and on MATH-500 answers; agreement with the intended verdicts of
-tests/test_reward.py::EQUIV_CASES; every gold of ../shared/data written back (must score 1) and altered (must score
+tests/test_reward.py::EQUIV_CASES; every gold of data/ written back (must score 1) and altered (must score
 0); the slowest single check among hostile inputs (the alternatives run in killable workers capped at HOSTILE_CAP_S,
-the two at once to save time). Reads the data from <repo>/../shared/data.
+the two at once to save time). Reads the data from data/ in the repo.
 """
 import importlib.util
 import json
@@ -169,7 +169,7 @@ def hostile_times(fn, answers) -> dict[str, float]:
 def main():
     tests = _load_tests()
     rng = random.Random(0)
-    data = Path(__file__).resolve().parents[2] / "shared" / "data"
+    data = Path(__file__).resolve().parents[1] / "data"
     golds = [json.loads(line)["answer"] for name in ["aime24", "aime25", "hmmt25", "math500"]
              for line in (data / f"{name}.jsonl").read_text().splitlines() if line.strip()]
     math500 = [json.loads(line)["answer"] for line in (data / "math500.jsonl").read_text().splitlines() if line.strip()]

@@ -1,5 +1,4 @@
-"""Shared test fixtures: where the benchmark data lives, and a tiny model built once per session."""
-import os
+"""Shared test fixtures: where the benchmark data lives, and the one-thread setting for torch."""
 from pathlib import Path
 
 import pytest
@@ -8,21 +7,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def shared_data_dir() -> Path | None:
-    """../shared/data beside the checkout (or $RSTAR2_DATA_DIR); None where a user's clone lacks it."""
-    path = Path(os.environ.get("RSTAR2_DATA_DIR", ROOT.parent / "shared" / "data"))
-    return path if (path / "aime24.jsonl").is_file() else None
-
-
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    """Benchmark files. Skips with the reason in a user's clone; CI always has them, so there it fails instead."""
-    path = shared_data_dir()
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must have ../shared/data (AIME/HMMT/MATH-500 JSONL) beside the checkout")
-        pytest.skip("benchmark data not found: put the JSONL files in ../shared/data or set RSTAR2_DATA_DIR")
-    return path
+    """The benchmark files shipped in data/ (AIME 2024/2025, HMMT Feb 2025, MATH-500; see data/SOURCES.md)."""
+    return ROOT / "data"
 
 
 @pytest.fixture(scope="module")

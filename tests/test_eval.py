@@ -103,10 +103,10 @@ def test_bad_benchmark_line_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: 'answer'"):
-        ev.load_benchmark(str(bad), tmp_path / "cache")
+        ev.load_benchmark(str(bad))
     bad.write_text('{"problem": "1+1?", "answer": "2"}\n\n{"answer": "4"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:3: 'problem'"):
-        ev.load_benchmark(str(bad), tmp_path / "cache")
+        ev.load_benchmark(str(bad))
     # The command line stops before loading any model, with the same message.
     cfg = ev.EvalConfig(model_path="no-such/model", benchmarks=[str(bad)], out_dir=str(tmp_path / "out"))
     with pytest.raises(SystemExit, match=r"input error: .*bad.jsonl:3"):
@@ -115,48 +115,18 @@ def test_bad_benchmark_line_names_file_and_line(tmp_path):
 
 def test_unknown_benchmark_name_lists_known_names(tmp_path):
     with pytest.raises(ValueError, match="unknown benchmark 'aime2099'.*aime24, aime25, hmmt25, math500"):
-        ev.load_benchmark("aime2099", tmp_path)
+        ev.load_benchmark("aime2099")
 
 
-def test_hub_name_resolves_through_huggingface_hub(tmp_path, monkeypatch):
-    """aime25 -> opencompass/AIME2025's two JSONL files (field `question`), read from a faked hub snapshot."""
-    snapshot = tmp_path / "snapshot"
-    snapshot.mkdir()
-    (snapshot / "aime2025-I.jsonl").write_text('{"question": "First?", "answer": "70"}\n')
-    (snapshot / "aime2025-II.jsonl").write_text('{"question": "Second?", "answer": 588}\n')
-    asked = []
-
-    def fake_snapshot_download(repo_id, repo_type=None, allow_patterns=None):
-        asked.append((repo_id, repo_type, allow_patterns))
-        return str(snapshot)
-
-    import huggingface_hub
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    name, problems = ev.load_benchmark("aime25", tmp_path / "cache")
-    assert asked == [("opencompass/AIME2025", "dataset", ["aime2025-*.jsonl", "*/aime2025-*.jsonl"])]
-    assert name == "aime25"
-    assert [(p["problem"], p["answer"]) for p in problems] == [("First?", "70"), ("Second?", "588")]
-    assert (tmp_path / "cache" / "aime25.jsonl").is_file()  # what was evaluated is kept beside the results
-
-
-def test_hub_parquet_without_pyarrow_and_offline_hub_say_what_to_do(tmp_path, monkeypatch):
-    import huggingface_hub
-    from huggingface_hub.errors import LocalEntryNotFoundError
-    snapshot = tmp_path / "snapshot"
-    (snapshot / "data").mkdir(parents=True)
-    (snapshot / "data" / "train-00000-of-00001.parquet").write_bytes(b"PAR1")
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: str(snapshot))
-    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as on a machine without pyarrow
-    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(ValueError, match=r"aime24 is stored as parquet.*pip install pyarrow.*aime24.jsonl"):
-        ev.load_benchmark("aime24", tmp_path / "cache")
-
-    def offline(*args, **kwargs):
-        raise LocalEntryNotFoundError("cannot reach the hub and nothing is cached")
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(ValueError, match=r"could not fetch math500 .*pass the JSONL path"):
-        ev.load_benchmark("math500", tmp_path / "cache")
+def test_benchmark_names_read_the_copies_shipped_in_data():
+    """Names resolve offline to data/NAME.jsonl, with the counts data/SOURCES.md lists."""
+    sizes = {}
+    for name in ("aime24", "aime25", "hmmt25", "math500"):
+        got, problems = ev.load_benchmark(name)
+        assert got == name
+        sizes[name] = len(problems)
+    assert sizes == {"aime24": 30, "aime25": 30, "hmmt25": 30, "math500": 500}
+    assert ev.load_benchmark("aime24")[1][0]["answer"] == "204"  # 2024-I-1
 
 
 # ------------------------------------------------------------------------------------------ scripted sampler

@@ -1,10 +1,9 @@
 """Tests for reward.py: extraction, equivalence (fast path and Math-Verify path), hostile input, the worker pool,
-and every gold answer of the evaluation sets in ../shared/data (written as the model would, and altered).
+and every gold answer of the evaluation sets in data/ (written as the model would, and altered).
 
     .venv/bin/pytest tests/test_reward.py -q
 
-The data test skips when the data directory (RSTAR2_DATA_DIR, else <repo>/../shared/data) is missing, except under
-CI=1, where it fails. EQUIV_CASES is also what bench/reward.py scores both checkers on.
+EQUIV_CASES is also what bench/reward.py scores both checkers on.
 """
 import json
 import os
@@ -331,17 +330,6 @@ def test_import_starts_no_process_and_no_sympy():
 # ---------------------------------------------------------------------------------------------------------------
 # Every gold answer of the evaluation sets: as the model writes it -> 1; altered -> 0
 # ---------------------------------------------------------------------------------------------------------------
-def _data_dir() -> Path:
-    env = os.environ.get("RSTAR2_DATA_DIR")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
-    if not path.is_dir():
-        message = f"evaluation data not found at {path} (set RSTAR2_DATA_DIR)"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; CI is set, so this must not be skipped")
-        pytest.skip(message)
-    return path
-
-
 def _altered(gold: str) -> str:
     """A wrong answer close to `gold`: the first number plus one (a different integer, a changed numerator), else
     the first letter of a \\text{} answer shifted by one, else `gold + 1`."""
@@ -353,8 +341,8 @@ def _altered(gold: str) -> str:
 
 
 @pytest.mark.parametrize("name", ["aime24", "aime25", "hmmt25", "math500"])
-def test_every_gold_answer_scores_1_and_an_altered_one_0(pool, name):
-    records = [json.loads(line) for line in (_data_dir() / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+def test_every_gold_answer_scores_1_and_an_altered_one_0(pool, name, data_dir):
+    records = [json.loads(line) for line in (data_dir / f"{name}.jsonl").read_text().splitlines() if line.strip()]
     golds = [r["answer"] for r in records]
     assert len(golds) == {"aime24": 30, "aime25": 30, "hmmt25": 30, "math500": 500}[name]
     written = [rf"<reason>A first try gave \boxed{{0}}.</reason><answer>The answer is \boxed{{{g}}}</answer>"
