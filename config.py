@@ -7,8 +7,14 @@ line overrides them in order, then each `key=value` overrides those. An unknown 
 an error that names the key (and the file and line for YAML). `key=value` values are read as YAML scalars, so
 `lr=1e-6`, `resume=true` and `data=null` mean what they look like. The resolved config is printed by the entry point
 and saved next to its outputs with `save_config`.
+
+A YAML file may start from others: `base: rl.yaml` (or a list), paths relative to the file. The bases are read
+first, in order, then the file's own keys override them; configs/tiny/stage{1,2,3}.yaml hold only what differs from
+configs/tiny/rl.yaml. `--help` lists every field with its type, default and comment (`field_help`).
 """
 import dataclasses
+import inspect
+import re
 import sys
 import types
 import typing
@@ -60,7 +66,9 @@ def _check_type(name: str, value, hint, where: str):
 
 
 def _type_name(hint) -> str:
-    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+    if typing.get_origin(hint) is None and hasattr(hint, "__name__"):
+        return hint.__name__
+    return str(hint).replace("typing.", "")
 
 
 def _yaml_lines(path: Path, text: str) -> dict:
@@ -76,18 +84,34 @@ def _yaml_lines(path: Path, text: str) -> dict:
     return {k.value: k.start_mark.line + 1 for k, _ in node.value}
 
 
+def _read_yaml(path: Path, seen: tuple = ()) -> list[tuple[str, object, str]]:
+    """(key, value, "file:line") for every key of `path`, its `base:` files' keys first (recursively)."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: 'base' includes itself (through {' -> '.join(str(s) for s in seen)})")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    lines = _yaml_lines(path, text)
+    data = yaml.safe_load(text) or {}
+    bases = data.pop("base", [])
+    items = []
+    for base in [bases] if isinstance(bases, str) else bases:
+        if not isinstance(base, str):
+            raise ConfigError(f"{path}:{lines.get('base', '?')}: 'base' must be a file name or a list of them")
+        items += _read_yaml(path.parent / base, seen + (path.resolve(),))
+    return items + [(key, value, f"{path}:{lines.get(key, '?')}") for key, value in data.items()]
+
+
 def load_config(cls, yaml_paths=(), overrides=()):
     """Build a `cls` dataclass from defaults, YAML files (in order) and `key=value` strings (in order)."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     values = {}
     for path in map(Path, yaml_paths):
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        text = path.read_text()
-        lines = _yaml_lines(path, text)
-        for key, value in (yaml.safe_load(text) or {}).items():
-            where = f"{path}:{lines.get(key, '?')}"
+        for key, value, where in _read_yaml(path):
             if key not in known:
                 raise ConfigError(f"{where}: unknown config key '{key}' for {cls.__name__}")
             values[key] = _check_type(key, value, hints[key], where)
@@ -107,9 +131,36 @@ def load_config(cls, yaml_paths=(), overrides=()):
     return cls(**values)
 
 
-def parse_cli(cls, argv=None):
-    """Entry-point helper: `[config.yaml ...] [key=value ...]` -> cls. Config errors exit with a one-line message."""
+def field_help(cls) -> str:
+    """Every field of `cls`: name, type, default and the comment on its line in the source, under the
+    `# --- group` banners of the dataclass (the source is the one place the comments live)."""
+    comments, groups = {}, {}
+    group = None
+    for line in inspect.getsource(cls).splitlines():
+        if m := re.match(r"\s*# -+ (.+)", line):
+            group = m.group(1).strip()
+        elif m := re.match(r"\s*(\w+):[^#]*(?:#\s*(.*))?$", line):
+            comments[m.group(1)], groups[m.group(1)] = (m.group(2) or "").strip(), group
+    hints = typing.get_type_hints(cls)
+    out, last = [], object()
+    for f in dataclasses.fields(cls):
+        if groups.get(f.name) != last:
+            last = groups.get(f.name)
+            out.append(f"\n{last}:" if last else "")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        out.append(f"  {f.name} ({_type_name(hints[f.name])}, default {default!r})"
+                   + (f"\n      {comments[f.name]}" if comments.get(f.name) else ""))
+    return "\n".join(out).lstrip("\n")
+
+
+def parse_cli(cls, argv=None, usage: str = ""):
+    """Entry-point helper: `[config.yaml ...] [key=value ...]` -> cls. Config errors exit with a one-line message;
+    `-h` / `--help` prints `usage` and every field (`field_help`) and exits 0."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print((usage.strip() + "\n\n" if usage else "") + "Fields (YAML keys or key=value on the command line):\n"
+              + field_help(cls))
+        raise SystemExit(0)
     yaml_paths = [a for a in argv if "=" not in a]
     overrides = [a for a in argv if "=" in a]
     try:

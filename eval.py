@@ -59,6 +59,12 @@ from rollout import rollout
 DATA_DIR = Path(__file__).resolve().parent / "data"
 BENCHMARKS = {name: DATA_DIR / f"{name}.jsonl" for name in ("aime24", "aime25", "hmmt25", "math500")}
 
+USAGE = """Evaluate a checkpoint: pass@1 over k samples, pass@k, maj@k, tool and length statistics.
+  python eval.py [CONFIG.yaml ...] [key=value ...]
+  python eval.py configs/tiny/eval.yaml model_path=runs/tiny/sft/model
+  python eval.py model_path=PATH benchmarks=[aime24,math500] samples=16 sampler=vllm
+  python eval.py show TRAJECTORIES.jsonl INDEX                      # one trajectory, readably"""
+
 
 @dataclass
 class EvalConfig:
@@ -336,7 +342,7 @@ def main(argv=None) -> None:
             raise SystemExit("usage: python eval.py show TRAJECTORIES.jsonl INDEX")
         print(show(argv[1], int(argv[2])))
         return
-    run(parse_cli(EvalConfig, argv))
+    run(parse_cli(EvalConfig, argv, usage=USAGE))
 
 
 if __name__ == "__main__":

@@ -56,6 +56,11 @@ from protocol import DEFAULT_USER_INSTRUCTION, chat_format
 
 IGNORE = -100  # label of a token that is not trained (PyTorch cross_entropy's ignore_index)
 
+USAGE = """Non-reasoning SFT (loss on the assistant's tokens only).
+  python sft.py [CONFIG.yaml ...] [key=value ...]
+  python sft.py configs/tiny/sft.yaml max_steps=100
+  accelerate launch --num_processes 8 sft.py configs/qwen3-14b/sft.yaml          # data-parallel"""
+
 
 @dataclass
 class SFTConfig:
@@ -336,4 +341,4 @@ def train(cfg: SFTConfig) -> Path:
 
 
 if __name__ == "__main__":
-    train(parse_cli(SFTConfig))
+    train(parse_cli(SFTConfig, usage=USAGE))

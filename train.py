@@ -1,7 +1,7 @@
 """One stage of agentic RL with GRPO-RoC (rStar2-Agent report, sections 3-4 and 6), on plain PyTorch + Accelerate.
 
     python train.py configs/tiny/stage1.yaml                       # one process (CPU or one GPU)
-    accelerate launch --config_file configs/accelerate/8gpu.yaml train.py configs/qwen3-14b/stage1.yaml
+    accelerate launch --config_file configs/accelerate/fsdp_1node_8gpu.yaml train.py configs/qwen3-14b/stage1.yaml
 
 Each step, in labelled phases (the banners in `train_step`):
   1. sample B prompts (this rank's share: groups never straddle ranks)
@@ -52,6 +52,12 @@ from protocol import chat_format
 from reward import check_many, extract_answer
 from rollout import rollout, rollout_sums
 from sampler import VLLMSampler, model_checksum
+
+USAGE = """One RL stage with GRPO-RoC.
+  python train.py [CONFIG.yaml ...] [key=value ...]
+  python train.py configs/tiny/stage1.yaml steps=20 roc_mode=lowest
+  python train.py configs/qwen3-14b/stage1.yaml dry_run=true world_size=64      # the plan, no model loaded
+  accelerate launch --config_file configs/accelerate/fsdp_1node_8gpu.yaml train.py configs/qwen3-14b/stage1.yaml"""
 
 
 @dataclass
@@ -503,7 +509,7 @@ def log_line(step: int, m: dict) -> str:
 
 
 def main(argv=None) -> None:
-    cfg = parse_cli(TrainConfig, argv)
+    cfg = parse_cli(TrainConfig, argv, usage=USAGE)
     if cfg.dry_run:
         print_plan(cfg, cfg.world_size or int(os.environ.get("WORLD_SIZE", 1)))
         return

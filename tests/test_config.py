@@ -1,5 +1,6 @@
 """The config helper: defaults, YAML, key=value overrides, and errors that name the key."""
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,63 @@ def test_exponent_without_dot_is_a_float_in_yaml_too(tmp_path):
     assert load_config(Demo, [cfg_file]).lr == 1e-6
     with pytest.raises(ConfigError, match="'lr' must be float"):
         load_config(Demo, [], ["lr=fast"])
+
+
+def test_base_files_are_read_first_and_errors_name_the_file_that_holds_the_key(tmp_path):
+    (tmp_path / "common.yaml").write_text("lr: 0.5\nsteps: 3\n")
+    (tmp_path / "stage.yaml").write_text("base: common.yaml\nsteps: 9\n")
+    assert load_config(Demo, [tmp_path / "stage.yaml"]) == Demo(lr=0.5, steps=9)
+    (tmp_path / "common.yaml").write_text("lr: 0.5\nstepz: 3\n")
+    with pytest.raises(ConfigError, match=r"common.yaml:2: unknown config key 'stepz'"):
+        load_config(Demo, [tmp_path / "stage.yaml"])
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="includes itself"):
+        load_config(Demo, [tmp_path / "loop.yaml"])
+
+
+def test_tiny_stage_configs_hold_only_what_differs_from_their_base():
+    """configs/tiny/stage{1,2,3}.yaml resolve through rl.yaml to the stage's full config."""
+    import yaml
+    from train import TrainConfig
+    root = Path(__file__).resolve().parents[1] / "configs" / "tiny"
+    base = yaml.safe_load((root / "rl.yaml").read_text())
+    for stage, (steps, budget, turns) in {1: (30, 320, 4), 2: (12, 448, 4), 3: (8, 448, 6)}.items():
+        own = yaml.safe_load((root / f"stage{stage}.yaml").read_text())
+        assert own.pop("base") == "rl.yaml" and not set(own) & set(base)  # nothing repeated from the base
+        cfg = load_config(TrainConfig, [root / f"stage{stage}.yaml"])
+        assert (cfg.stage, cfg.steps, cfg.max_response_tokens, cfg.max_turns) == (stage, steps, budget, turns)
+        assert (cfg.group_size, cfg.rollouts_per_prompt, cfg.lr, cfg.torch_threads) == (4, 8, 2e-4, 1)
+
+
+def test_non_utf8_yaml_is_one_line_naming_the_file(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.yaml: not UTF-8"):
+        load_config(Demo, [bad])
+
+
+@pytest.mark.parametrize("entry", ["train", "sft", "eval"])
+def test_help_lists_every_field_with_type_default_and_comment(entry):
+    import dataclasses
+    import importlib
+    import subprocess
+    import sys
+    module = importlib.import_module(entry)
+    cls = {"train": "TrainConfig", "sft": "SFTConfig", "eval": "EvalConfig"}[entry]
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, f"{entry}.py", "--help"], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    for f in dataclasses.fields(getattr(module, cls)):
+        assert f"\n  {f.name} (" in out.stdout, f.name
+    assert "lr (float, default " in out.stdout if entry != "eval" else "samples (int, default 16)" in out.stdout
+
+
+@pytest.mark.parametrize("entry", ["tiny_pipeline", "ablation"])
+def test_argparse_entry_points_answer_help(entry):
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, f"{entry}.py", "--help"], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "usage:" in out.stdout, out.stderr
