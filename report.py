@@ -377,13 +377,15 @@ function turnBlock(turn, i) {
 }
 function chip(right, failed) {  // a sample's outcome; outlined when a tool call failed
   const cls = "chip " + (right ? "right" : "wrong") + (failed ? " err" : "");
-  return el("span", cls, right ? "✓" : "✗");
+  const box = el("span", cls, right ? "✓" : "✗");
+  box.title = (right ? "correct" : "wrong") + (failed ? ", a tool call failed" : "");
+  return box;
 }
 function sampleCard(s, label) {
   const right = s.reward === 1;
   const facts = "reward " + s.reward + " · " + s.turns.length + " turns · " + s.calls +
     " calls (" + s.failed + " failed) · " + s.tokens + " tokens · ended: " + s.end;
-  const name = (label ? label + ": " : "") + "sample " + s.sample;
+  const name = (label ? label + ": " : "") + "sample " + s.sample + " ";
   const head = add(el("div", "shead"), el("b", null, name), chip(right, s.failed),
     el("span", null, " answer "), el("code", null, s.pred === null ? "(none)" : s.pred),
     el("span", "meta", facts));
@@ -426,7 +428,7 @@ function controls() {
     add(el("label", null, "call status "),
         select("status", [["", "any"], ...statuses.map(x => [x, x])])),
     add(el("label", null, "turns "), select("turns", [["", "any"], ...turns.map(x => [x, x])])),
-    el("span", "count"));
+    el("span", "count"), el("span", "meta", "· outlined: a tool call failed"));
 }
 
 // ---------------------------------------------------------------- problems
