@@ -24,9 +24,11 @@ One file, nothing fetched: style and script are inline; no fonts, images or outs
 rollouts are JSON in a `<script type="application/json">` block with every "<" written as \\u003c,
 so no text can close the block; the script builds the page with `textContent` only (never
 innerHTML), so model text and tool output are shown as text and never run. A problem's samples
-are built when it is opened, so a large evaluation opens as fast as a small one.
+are built when it is opened: opening the page costs parsing the JSON, not building every sample.
 bench/report_page.py measures the size per rollout and the time to open a 200 x 4 evaluation, and
 compares this with a page that holds every sample as HTML.
+Left out: token ids and log-probs (trajectories.jsonl has none), text search (the browser's find
+works on opened problems), and comparisons of more than two evaluations.
 """
 import html
 import json
