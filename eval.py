@@ -52,6 +52,7 @@ from pathlib import Path
 from config import format_config, parse_cli, save_config
 from data import check_model_path, load_problems, write_jsonl
 from protocol import DEFAULT_USER_INSTRUCTION, IM_END, chat_format, parse_tool_call
+from report import write_report
 from reward import check_many, extract_answer, is_equivalent
 from rollout import rollout
 
@@ -329,6 +330,7 @@ def run(cfg: EvalConfig) -> dict:
                                                          indent=1))
     print(format_table(results))
     print(f"wrote {out / 'results.json'} and {traj_file}")
+    print(f"wrote {write_report(out)}")  # the page to browse them (report.py)
     if cfg.unsolved_out is not None:
         write_jsonl(cfg.unsolved_out, missed)
         print(f"wrote {cfg.unsolved_out}: {len(missed)} problems solved fewer than {k} of {k} times")

@@ -9,6 +9,7 @@
   4. train.py        RL stage 1 (level 1), stage 2 (longer budget, levels 1 and 2), stage 3 (the level-2 problems
                      the stage-2 policy did not solve k of k times, fresh optimizer) -- report section 6, scaled down
   5. eval.py         after SFT and after every stage, on the held-out split; stage 3's data comes from eval.py too
+  6. report.py       the problems that changed from SFT to stage 3, side by side (compare_sft_stage3.html)
 Each step is skipped when its output already exists, so an interrupted pipeline continues where it stopped
 (train.py itself resumes from its last checkpoint). `--fresh` deletes the run folder first.
 """
@@ -133,6 +134,8 @@ def main(argv=None) -> None:
     summary = summarize(results, time.time() - start)
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     plot_stages(results, root / "summary.png")
+    run(["report.py", "compare", str(root / "eval_sft"), str(root / "eval_stage3"),
+         str(root / "compare_sft_stage3.html")])
     print("\n" + table(results))
     print(f"\nsft -> stage3: {100 * summary['sft_accuracy']:.1f}% -> {100 * summary['stage3_accuracy']:.1f}% "
           f"({summary['gain_points']:+.1f} points) in {summary['wall_seconds']:.0f} s; wrote {root / 'summary.json'} and "

@@ -28,3 +28,5 @@ def test_quick_pipeline_runs_every_stage_and_writes_the_summary(tmp_path):
     sft_rows = (tmp_path / "tiny" / "sft" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(sft_rows[-1])["sft/loss"] < json.loads(sft_rows[0])["sft/loss"]  # SFT learned something
     assert "sft -> stage3" in done.stdout
+    assert (tmp_path / "tiny" / "eval_stage3" / "report.html").is_file()  # eval.py writes each report
+    assert "eval_sft vs eval_stage3" in (tmp_path / "tiny" / "compare_sft_stage3.html").read_text()
