@@ -91,7 +91,8 @@ def test_check_model_path_accepts_a_model_folder_or_hub_id_only(tmp_path):
 
 
 def test_problem_rows_know_their_file_and_line(tmp_path):
-    path = _write_lines(tmp_path / "p.jsonl", ['{"problem": "a", "answer": "1"}', "", '{"problem": "b", "answer": "2"}'])
+    rows = ['{"problem": "a", "answer": "1"}', "", '{"problem": "b", "answer": "2"}']
+    path = _write_lines(tmp_path / "p.jsonl", rows)
     rows = load_problems(path)
     assert [r.where for r in rows] == [f"{path}:1", f"{path}:3"]
     assert json.dumps(rows[1]) == '{"problem": "b", "answer": "2"}'  # the location is not part of the row

@@ -81,7 +81,8 @@ class DigitSampler(TurnSampler):
     def __init__(self, model, tokenizer):
         self.model, self.tok = model, tokenizer
         self.prefix = tokenizer.encode(PREFIX, add_special_tokens=False)
-        self.suffix = tokenizer.encode("}</answer>", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids(IM_END)]
+        im_end = tokenizer.convert_tokens_to_ids(IM_END)
+        self.suffix = tokenizer.encode("}</answer>", add_special_tokens=False) + [im_end]
         self.digit_ids = tokenizer.convert_tokens_to_ids(list(DIGITS))
 
     def digit_probs(self, prompts) -> torch.Tensor:

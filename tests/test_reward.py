@@ -368,7 +368,8 @@ def test_a_script_without_main_guard_can_check_answers(tmp_path, how):
     cases = [(p, g, e) for p, g, e in EQUIV_CASES if reward.as_number(reward.normalize(p)) is None][:24]
     script = (f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom reward import compute_reward\n"
               f"cases = {cases!r}\n"
-              "print(''.join(str(int(compute_reward('<answer>\\\\boxed{' + p + '}</answer>', g))) for p, g, _ in cases))\n")
+              "rewards = [compute_reward('<answer>\\\\boxed{' + p + '}</answer>', g) for p, g, _ in cases]\n"
+              "print(''.join(str(int(r)) for r in rewards))\n")
     if how == "file":
         (tmp_path / "check_answers.py").write_text(script)
         command, stdin = [sys.executable, "check_answers.py"], None
