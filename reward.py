@@ -335,9 +335,14 @@ class CheckPool:
         paths = [path or os.getcwd() for path in sys.path]
         command = [sys.executable, "-c", _WORKER_BOOT, json.dumps(paths), *self._places, str(child.fileno()),
                    str(self._memory_bytes)]
-        process = subprocess.Popen(command, pass_fds=[child.fileno()], stdin=subprocess.DEVNULL,
-                                   env={**os.environ, _WORKER_ENV: "1"})
-        child.close()
+        try:
+            process = subprocess.Popen(command, pass_fds=[child.fileno()], stdin=subprocess.DEVNULL,
+                                       env={**os.environ, _WORKER_ENV: "1"})
+        except OSError:
+            parent.close()
+            raise
+        finally:
+            child.close()
         worker = _Worker(process, parent, generation)
         with self._lock:
             current = generation == self._generation
@@ -421,12 +426,15 @@ class CheckPool:
         with self._lock:
             self._generation += 1
             workers, self._live = list(self._live), set()
-        idle = []
+        idle, newer = [], []  # newer: started by a run() that came after this close() began
         while True:
             try:
-                idle.append(self._idle.get_nowait())
+                worker = self._idle.get_nowait()
             except queue.Empty:
                 break
+            (idle if worker in workers else newer).append(worker)
+        for worker in newer:
+            self._idle.put(worker)
         for worker in idle:
             try:
                 worker.conn.send(None)
