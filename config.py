@@ -11,9 +11,15 @@ and saved next to its outputs with `save_config`.
 A YAML file may start from others: `base: rl.yaml` (or a list), paths relative to the file. The bases are read
 first, in order, then the file's own keys override them; configs/tiny/stage{1,2,3}.yaml hold only what differs from
 configs/tiny/rl.yaml. `--help` lists every field with its type, default and comment (`field_help`).
+
+Types are checked here; the allowed range of each numeric field is a small table next to each dataclass
+({field: "> 0"}, checked by `check_ranges` before the entry point does any work), so `lr=nan`, `steps=-5` or
+`save_every=0` stop at once with one line naming the key instead of failing after a step or training silently.
 """
 import dataclasses
 import inspect
+import math
+import operator
 import re
 import sys
 import types
@@ -129,6 +135,31 @@ def load_config(cls, yaml_paths=(), overrides=()):
             value = raw  # `name=123` for a string field means the string "123"
         values[key] = _check_type(key, value, hints[key], "command line")
     return cls(**values)
+
+
+_COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
+def check_ranges(cfg, ranges: dict[str, str]) -> list[str]:
+    """One readable line per numeric field of `cfg` outside its range; [] when all are in range.
+
+    ranges: {field: rule}, a rule being comparisons joined by "and": "> 0", ">= 1", ">= 0 and < 1".
+    None (an optional field left unset) passes. A float must also be finite: nan compares False with everything,
+    so without this check it would pass any rule. Messages read "lr must be a finite number > 0, got nan"."""
+    problems = []
+    for name, rule in ranges.items():
+        value = getattr(cfg, name)  # AttributeError: the table names a field the dataclass does not have
+        if value is None:
+            continue
+        comparisons = [part.split() for part in rule.split(" and ")]
+        ok = all(_COMPARISONS[op](value, float(bound)) for op, bound in comparisons)
+        if isinstance(value, float):
+            ok, kind = ok and math.isfinite(value), "a finite number"
+        else:
+            kind = "an integer"
+        if not ok:
+            problems.append(f"{name} must be {kind} {rule}, got {value!r}")
+    return problems
 
 
 def field_help(cls) -> str:

@@ -3,17 +3,30 @@
 Two kinds of file, one JSON object per line (blank lines are skipped):
 - problems (RL and evaluation data): {"problem": str, "answer": str, ...}; extra fields (id, level, source) are kept.
   The RL data of the report has integer answers, and evaluation sets such as MATH-500 have LaTeX ones: both are
-  strings here. An integer answer is accepted and turned into its decimal string.
+  strings here. An answer written as a JSON number is turned into the text of that number (`reward.answer_text`:
+  25 -> "25", 0.5 -> "0.5"). Each row is a `Problem`: a dict that also knows its `where` ("file:line").
 - conversations (SFT data): {"messages": [...]} in the common chat format with tool calls, checked by rendering it
   through `protocol.ChatFormat.render_messages` (the same rendering SFT trains on).
 
-A bad line raises ValueError("path:line: what is wrong") before the caller does any work. Nothing here knows about
-models or tokenizers.
+A bad line raises ValueError("path:line: what is wrong") before the caller does any work: bad JSON, JSON nested too
+deeply for Python's parser, text that is not UTF-8 (a UTF-8 byte-order mark is accepted). Nothing here knows about
+models; `check_model_path` only looks at folders.
 """
 import json
+import re
 from pathlib import Path
 
 from protocol import ChatFormat
+from reward import answer_text
+
+
+class Problem(dict):
+    """One problem row: the JSON object as read (problem, answer and any extra fields) and, as an attribute, where
+    it came from ("file:line") for error messages. To json.dumps and == it is the plain dict."""
+
+    def __init__(self, row: dict, where: str):
+        super().__init__(row)
+        self.where = where
 
 
 def _read_jsonl(path):
@@ -21,30 +34,42 @@ def _read_jsonl(path):
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: data file not found")
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                 f"{e.start + 1})") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise ValueError(f"{path}:{number}: JSON nested too deeply to read") from None
+            except ValueError as e:  # e.g. an integer of more digits than Python converts
+                raise ValueError(f"{path}:{number}: not valid JSON ({str(e)[:80]})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
             yield number, row
 
 
-def load_problems(path) -> list[dict]:
-    """Problems from a JSONL file: each row a dict with non-empty string `problem` and `answer` (plus any extras)."""
+def load_problems(path) -> list[Problem]:
+    """Problems from a JSONL file: each row has a non-empty string `problem` and an `answer` that is a non-empty
+    string or a JSON number (turned into its text), plus any extras; `Problem.where` is "file:line"."""
     rows = []
     for number, row in _read_jsonl(path):
+        answer = row.get("answer")
+        if not isinstance(answer, str) and answer_text(answer) is not None:
+            row["answer"] = answer_text(answer)
         for key in ("problem", "answer"):
             value = row.get(key)
-            if key == "answer" and isinstance(value, int) and not isinstance(value, bool):
-                row[key] = value = str(value)
             if not isinstance(value, str) or not value.strip():
-                raise ValueError(f"{path}:{number}: '{key}' must be a non-empty string, got {value!r}")
-        rows.append(row)
+                kind = "a non-empty string" + (" or a finite number" if key == "answer" else "")
+                raise ValueError(f"{path}:{number}: '{key}' must be {kind}, got {value!r}")
+        rows.append(Problem(row, f"{path}:{number}"))
     if not rows:
         raise ValueError(f"{path}: no problems in the file")
     return rows
@@ -79,12 +104,29 @@ def write_jsonl(path, rows) -> Path:
     return path
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # org/name, as the Hugging Face Hub spells ids
+
+
 def check_model_path(path: str) -> None:
     """A model is a local folder with config.json, or a hub id `org/name` (fetched by transformers when online).
-    Anything else is an input error, reported before any work instead of deep inside from_pretrained."""
+    Anything else is an input error, reported before any work instead of deep inside from_pretrained. `org/name`
+    whose `org` is a folder here (runs/sft_typo) is a mistyped local path, not a hub id; offline
+    (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1), a hub id must be in the local cache."""
+    if not path:
+        raise ValueError("model_path '' is not a model folder (give a folder with config.json or a hub id org/name)")
     p = Path(path)
     if p.is_dir() and (p / "config.json").is_file():
         return
-    if p.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+    if p.exists():
         raise ValueError(f"model_path {path!r} is not a model folder (no config.json there)")
-
+    if path.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(path):
+        raise ValueError(f"model_path {path!r} is not a model folder (no such folder)")
+    org = path.split("/")[0]
+    if Path(org).is_dir():
+        raise ValueError(f"model_path {path!r} is not a model folder (no such folder in {org}/; a hub id's "
+                         f"organisation would not be a folder here)")
+    from huggingface_hub import constants, try_to_load_from_cache
+    if constants.HF_HUB_OFFLINE:  # set by HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1, as transformers reads it
+        if not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise ValueError(f"model_path {path!r}: no such folder, and HF_HUB_OFFLINE is set and the hub id is not "
+                             f"in the local cache")

@@ -49,7 +49,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from config import format_config, parse_cli, save_config
+from config import check_ranges, format_config, parse_cli, save_config
 from data import check_model_path, load_problems, write_jsonl
 from protocol import DEFAULT_USER_INSTRUCTION, IM_END, chat_format, parse_tool_call
 from report import write_report
@@ -94,6 +94,26 @@ class EvalConfig:
     vllm_tensor_parallel_size: int = 1
     vllm_gpu_memory_utilization: float = 0.9
     vllm_dtype: str = "bfloat16"
+
+
+# Allowed values of the numeric fields (config.check_ranges), checked by `check_config` before any work.
+RANGES = {
+    "samples": ">= 1", "temperature": ">= 0", "top_p": "> 0 and <= 1", "max_response_tokens": ">= 1",
+    "max_turns": ">= 1", "batch_size": ">= 1", "limit": ">= 0", "seed": ">= 0 and <= 4294967295",
+    "tool_workers": ">= 0", "tool_timeout": "> 0", "tool_memory_mb": ">= 1", "tool_max_output_chars": ">= 1",
+    "vllm_tensor_parallel_size": ">= 1", "vllm_gpu_memory_utilization": "> 0 and <= 1",
+}
+
+
+def check_config(cfg: EvalConfig) -> None:
+    """Config errors that need no files (values out of range, unknown sampler, no model), before any work."""
+    problems = check_ranges(cfg, RANGES)
+    if cfg.sampler not in ("hf", "vllm"):
+        problems.append(f"sampler must be hf or vllm, got {cfg.sampler!r}")
+    if not cfg.model_path:
+        problems.append("model_path is required")
+    if problems:
+        raise SystemExit("config error: " + "; ".join(problems))
 
 
 # ============================================================================ metrics (pure)
@@ -291,12 +311,9 @@ def load_model(cfg: EvalConfig):
 
 def run(cfg: EvalConfig) -> dict:
     """The command-line evaluation: every benchmark, results.json, trajectories.jsonl, unsolved_out."""
+    check_config(cfg)
     from transformers import set_seed
     from code_tool import CodeTool
-    if cfg.sampler not in ("hf", "vllm"):
-        raise SystemExit(f"config error: sampler must be hf or vllm, got {cfg.sampler!r}")
-    if not cfg.model_path or cfg.samples < 1:
-        raise SystemExit("config error: model_path is required and samples must be >= 1")
     out = Path(cfg.out_dir)
     print(format_config(cfg))
     save_config(cfg, out / "config.yaml")

@@ -18,7 +18,9 @@ Implements section 4 of the project's design notes (rstar2-agent.md), which foll
 Report vs public code (design section 9), as offered here:
 - RoC selection: mode="sample" (report, default) or mode="lowest" (public code: positives by lowest
   penalty, ties by rollout order; negatives the first k in rollout order). Counts: Python's round (ties to
-  even) as the public code uses, so both modes keep the public code's counts when keep = 2G / 2.
+  even) as the public code uses, so both modes keep the public code's counts when keep = 2G / 2 with G even
+  (G >= 4). For odd G the public code rounds both counts separately, which can miss G (it then fails an
+  assertion), and settles exact halves by which minimum it tests first (`roc_counts` has the details).
 - Optional dual clip (verl's c = 3.0 for A < 0, not in the report): dual_clip=None (off) by default.
 - What counts as a failed call and how many turns p_format divides by are the caller's counts; the public
   code's p_format divides by the turns after the first (pass num_turns - 1 to mimic it; the public code
@@ -41,6 +43,11 @@ import torch
 # arithmetic stays finite. Weights are float64, where 1e6 against 0.5 loses nothing.
 ROC_WEIGHT_EPS = 1e-6
 NO_TOOL_CALL_PENALTY = 0.5  # p_err of a rollout that made no tool call (a mild push toward using the tool)
+# |log ratio| is clamped to this before exp(), as verl does (verl/trainer/ppo/core_algos.py, compute_policy_loss,
+# +-20). In float32 exp() overflows to inf above about 88.7: with the dual clip active the gradient is then
+# 0 * inf = NaN, without it the loss is inf. A token past the clamp gets no gradient through its ratio (as in
+# verl); every ratio within e^-20 .. e^20 is computed as before.
+MAX_LOG_RATIO = 20.0
 
 
 # ----------------------------------------------------------------------------------- RoC penalties
@@ -85,6 +92,13 @@ def roc_counts(n_pos: int, n_neg: int, keep: int) -> tuple[int, int]:
     then clamped to [min(2, n_pos), keep - min(2, n_neg)] (the minimum-of-2 rule; skipped when keep < 4 makes
     the two minimums incompatible), then to [keep - n_neg, n_pos] (what is available). n_neg_keep = keep - n_pos_keep.
     A degenerate group (all positive or all negative) keeps `keep` of the one kind it has.
+
+    Against the public code (rStar2-Agent's down-sampling, kept 2G -> G): it rounds the two counts separately,
+    then applies the minimums of 2, negatives first (each when its count is <= 2). For even G >= 4 the counts
+    agree with these. For odd G and an odd number of positives both counts end in .5 and the rules part: 5 of 10
+    positive, keep 5: here round(2.5) = 2 positives (ties to even), there round(2.5) = 2 negatives, which is
+    <= 2, so 3 positives; 7 of 14, keep 7, gives 4 + 4 = 8 there, and its assertion fails. This rule always sums
+    to G, for every G, so it is kept for odd G too.
     """
     if not 0 <= keep <= n_pos + n_neg:
         raise ValueError(f"keep must be in [0, {n_pos + n_neg}], got {keep}")
@@ -163,8 +177,9 @@ def _token_loss(logp, old_logp, advantages, loss_mask, clip_low, clip_high, dual
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (verl uses 3.0), got {dual_clip}")
     mask = loss_mask.bool()  # (N, T)
-    # log ratio_t = logp_t - old_logp_t, replaced by 0 where masked, so garbage there cannot reach exp() or the grad
-    log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
+    # log ratio_t = clamp(logp_t - old_logp_t, -MAX_LOG_RATIO, MAX_LOG_RATIO), 0 where masked (so garbage there
+    # cannot reach exp() or the grad)
+    log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     adv = advantages.to(logp.dtype).unsqueeze(1)  # (N, 1): every token of rollout i gets A_i
     # l_t = -min(ratio_t * A, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A)

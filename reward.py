@@ -26,8 +26,11 @@ Time bound: every check returns within TIMEOUT_S (default 5 s) of reaching an id
 timeout is replaced in the background (about 1 s to import sympy); only a check that finds every worker busy or
 restarting waits longer. No signal.alarm, so any thread may call this. Importing this module starts no process
 and imports no sympy; the pool starts on the first slow check and is closed at exit (or by `close()`).
-Workers are started with multiprocessing's spawn method, so the calling program's main module must be import-safe
-(`if __name__ == "__main__":`), as for any spawn-based pool.
+Workers are fresh interpreters (never a fork of the caller, which may hold threads and CUDA state) that import
+reward.py by its module name, so the calling program itself is never run again in them: a script without an
+`if __name__ == "__main__":` guard works, and so does a program read from stdin or -c. Only code that lives in the
+caller's script (reward.py pasted into it, or a custom `equal_fn` defined there) is loaded from that file, which
+then needs the guard, as for multiprocessing's spawn.
 
 Deliberately not handled: answers outside a box (a bare `<answer>42</answer>` scores 0, as the system prompt asks
 for \\boxed{}); `\\boxed 5` without braces; relative tolerances and percent-scaling heuristics (`10` never matches
@@ -35,11 +38,15 @@ for \\boxed{}); `\\boxed 5` without braces; relative tolerances and percent-scal
 whose check needs more than TIMEOUT_S (they score 0, counted). Run `python reward.py` for a small demo.
 """
 import atexit
+import json
 import math
 import multiprocessing as mp
+import os
 import queue
 import re
 import signal
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -254,59 +261,136 @@ def _worker_loop(conn, equal_fn, memory_bytes: int) -> None:
         conn.send(result)
 
 
+# A worker is a fresh interpreter running this, argv = [sys.path (JSON), where _worker_loop is, where equal_fn is,
+# the fd of its end of the pipe, memory_bytes]. "Where" is [module, file, qualified name]: a module is imported by
+# name, so the caller's script is never run again; only code that lives in that script (file given) is loaded from
+# it, under another name than "__main__" (as multiprocessing's spawn does), so its `if __name__ == "__main__":` part
+# does not run.
+_WORKER_BOOT = """
+import importlib, importlib.util, json, sys
+from multiprocessing.connection import Connection
+sys.path[:] = json.loads(sys.argv[1])
+def find(module, file, name):
+    if file and module not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module, file)
+        sys.modules[module] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[module])
+    found = importlib.import_module(module)
+    for part in name.split("."):
+        found = getattr(found, part)
+    return found
+find(*json.loads(sys.argv[2]))(Connection(int(sys.argv[4])), find(*json.loads(sys.argv[3])), int(sys.argv[5]))
+"""
+_WORKER_ENV = "REWARD_CHECK_WORKER"  # set inside workers: a worker never starts workers of its own
+
+
+def _where(fn) -> list[str]:
+    """[module, file, qualified name] by which a fresh interpreter finds the module-level function `fn`."""
+    if "<" in fn.__qualname__:
+        raise RuntimeError(f"reward check workers cannot import {fn.__qualname__}: use a module-level function")
+    if fn.__module__ != "__main__":
+        return [fn.__module__, "", fn.__qualname__]
+    main = sys.modules["__main__"]
+    if getattr(main, "__spec__", None) is not None:  # python -m package.module
+        return [main.__spec__.name, "", fn.__qualname__]
+    file = getattr(main, "__file__", None)
+    if not file or not os.path.isfile(file):
+        raise RuntimeError(f"reward check workers cannot import {fn.__qualname__}: it lives in a program read from "
+                           f"stdin, -c or a notebook; define it in a module file (for reward.py: import it)")
+    return ["__main_script__", os.path.abspath(file), fn.__qualname__]
+
+
 @dataclass(eq=False)
 class _Worker:
-    process: mp.process.BaseProcess
+    process: subprocess.Popen
     conn: object  # multiprocessing Connection to the worker
+    generation: int  # the pool's generation it was started in (close() starts a new one)
     ready: bool = False
 
 
 class CheckPool:
-    """Pre-started spawn workers that run `equal_fn(pred, gold)`; one that overruns `timeout_s` is killed and replaced.
+    """Pre-started worker processes that run `equal_fn(pred, gold)`; one that overruns `timeout_s` is killed and
+    replaced. `equal_fn` must be a module-level function (workers import it by name).
 
     Thread-safe: each call takes an idle worker, so up to `workers` checks run at once. Started lazily by the first
-    `run`; `close()` stops every worker (a later `run` starts them again).
+    `run`; `close()` stops every worker (a later `run` starts them again). Each worker is stopped exactly once, by
+    whoever takes it out of the live set: a check that timed out, or close(); a check whose worker close() took
+    only closes its end of the pipe.
     """
 
     def __init__(self, workers: int = WORKERS, timeout_s: float = TIMEOUT_S, equal_fn=math_verify_equal,
                  startup_s: float = 60.0, memory_bytes: int = WORKER_MEMORY_BYTES):
         self.workers, self.timeout_s, self.startup_s = workers, timeout_s, startup_s
-        self._equal_fn, self._memory_bytes = equal_fn, memory_bytes
-        self._ctx = mp.get_context("spawn")  # never fork the caller (a trainer holds threads and CUDA state)
+        self._memory_bytes = memory_bytes
+        self._places = [json.dumps(_where(_worker_loop)), json.dumps(_where(equal_fn))]
         self._idle: queue.Queue = queue.Queue()
-        self._live: set = set()
+        self._live: set = set()  # started and not yet stopped; idle or busy with a check
         self._lock = threading.Lock()
-        self._generation = 0  # bumped by close(), so a replacement started just before close() is not spawned
+        self._start_lock = threading.Lock()  # one start() spawns the workers, concurrent first calls wait for it
+        self._generation = 0  # bumped by close(): a worker of an older generation is never put back to work
 
-    def _spawn(self) -> None:
-        parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(target=_worker_loop, args=(child, self._equal_fn, self._memory_bytes),
-                                    daemon=True, name="reward-check")
-        process.start()
-        child.close()
-        worker = _Worker(process, parent)
+    def _spawn(self, generation: int) -> None:
+        """Start one worker; if close() came in between, stop it again at once."""
+        parent, child = mp.Pipe()
+        paths = [path or os.getcwd() for path in sys.path]
+        command = [sys.executable, "-c", _WORKER_BOOT, json.dumps(paths), *self._places, str(child.fileno()),
+                   str(self._memory_bytes)]
+        try:
+            process = subprocess.Popen(command, pass_fds=[child.fileno()], stdin=subprocess.DEVNULL,
+                                       env={**os.environ, _WORKER_ENV: "1"})
+        except OSError:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        worker = _Worker(process, parent, generation)
         with self._lock:
-            self._live.add(worker)
-        self._idle.put(worker)
+            current = generation == self._generation
+            if current:
+                self._live.add(worker)
+                self._idle.put(worker)
+        if not current:
+            self._stop(worker)
 
     def start(self) -> None:
         """Start the workers if none is running (returns at once; they import sympy in the background)."""
-        with self._lock:
-            if self._live:
-                return
-        for _ in range(self.workers):
-            self._spawn()
+        if os.environ.get(_WORKER_ENV):
+            raise RuntimeError("a reward check worker may not start workers: the program that imports reward.py's "
+                               "code checks answers at import; put that under `if __name__ == \"__main__\":`")
+        with self._start_lock:
+            with self._lock:
+                if self._live:
+                    return
+                generation = self._generation
+            for _ in range(self.workers):
+                self._spawn(generation)
 
-    def _retire(self, worker: _Worker, replace: bool) -> None:
-        """Kill `worker` and, if asked and the pool was not closed meanwhile, start its replacement."""
-        generation = self._generation
+    @staticmethod
+    def _stop(worker: _Worker) -> None:
+        """Kill and reap the worker's process and close our end of its pipe; called once per worker."""
         worker.process.kill()
-        worker.process.join()
+        worker.process.wait()
         worker.conn.close()
+
+    def _replace(self, worker: _Worker) -> None:
+        self._stop(worker)
+        if worker.generation == self._generation:  # not after close(); _spawn checks again under the lock
+            self._spawn(worker.generation)
+
+    def _release(self, worker: _Worker, healthy: bool) -> None:
+        """After a check: a healthy worker goes back to the idle queue; a hung, crashed or unready one is stopped
+        and replaced in the background (reaping a big process takes a while, the caller should not wait). If close()
+        took the worker meanwhile, it has stopped the process; only our end of the pipe is left to close."""
         with self._lock:
+            live = worker in self._live
+            if live and healthy:
+                self._idle.put(worker)
+                return
             self._live.discard(worker)
-        if replace and generation == self._generation:
-            self._spawn()
+        if live:
+            threading.Thread(target=self._replace, args=(worker,), daemon=True).start()
+        else:
+            worker.conn.close()
 
     def run(self, pred: str, gold: str) -> tuple[bool, str]:
         """(equal, status) with status "slow" (answered), "timeout" (ran out of time) or "crash" (worker died)."""
@@ -321,36 +405,50 @@ class CheckPool:
             except (EOFError, OSError):
                 pass
             if not worker.ready:  # a broken install, not a hostile answer: say so instead of scoring 0 forever
-                self._retire(worker, replace=True)
-                raise RuntimeError("reward check worker did not start (is math-verify installed?); see its traceback")
+                self._release(worker, healthy=False)
+                raise RuntimeError("reward check worker did not start (is math-verify installed? can a fresh Python "
+                                   "import reward.py?); see its traceback above")
         try:
             worker.conn.send((pred, gold))
             if worker.conn.poll(self.timeout_s):
-                equal = worker.conn.recv()
-                self._idle.put(worker)
-                return bool(equal), "slow"
+                equal = bool(worker.conn.recv())
+                self._release(worker, healthy=True)
+                return equal, "slow"
             status = "timeout"
         except (EOFError, OSError):
             status = "crash"
-        # Kill and replace in the background: reaping a big process takes a while, the caller should not wait.
-        threading.Thread(target=self._retire, args=(worker, True), daemon=True).start()
+        self._release(worker, healthy=False)
         return False, status
 
     def close(self) -> None:
-        """Stop every worker now: ask all to exit, give them half a second, then SIGKILL what is left."""
+        """Stop every worker now: ask the idle ones to exit, give them half a second, then SIGKILL what is left.
+        A busy worker's check ends as a crash; its caller closes its end of the pipe."""
         with self._lock:
             self._generation += 1
             workers, self._live = list(self._live), set()
-        while not self._idle.empty():
-            self._idle.get_nowait()
-        for worker in workers:
+        idle, newer = [], []  # newer: started by a run() that came after this close() began
+        while True:
+            try:
+                worker = self._idle.get_nowait()
+            except queue.Empty:
+                break
+            (idle if worker in workers else newer).append(worker)
+        for worker in newer:
+            self._idle.put(worker)
+        for worker in idle:
             try:
                 worker.conn.send(None)
             except OSError:
                 pass
         for worker in workers:
-            worker.process.join(timeout=0.5)
-            self._retire(worker, replace=False)
+            try:
+                worker.process.wait(timeout=0.5 if worker in idle else 0)
+            except subprocess.TimeoutExpired:
+                pass
+            worker.process.kill()
+            worker.process.wait()
+        for worker in idle:
+            worker.conn.close()
 
 
 _default_pool: CheckPool | None = None
@@ -380,9 +478,32 @@ class Verdict:
         return self.decided_by == "timeout"
 
 
+def answer_text(answer) -> str | None:
+    """An answer as the text the checker reads: a str as it is; an int, a float or a Fraction as the text of the
+    same number. A float means its shortest repr, as written (0.5 -> "0.5", 0.1 -> "0.1", not the binary value
+    0.1000000000000000055...); Fraction(-3, 8) -> "-\\frac{3}{8}". None for anything else: bool (not a number
+    here), nan and inf, an int of over 4 * MAX_ANSWER_CHARS bits, other types."""
+    if isinstance(answer, str):
+        return answer
+    if isinstance(answer, bool):
+        return None
+    if isinstance(answer, int):
+        # over 4 bits a digit it has more than MAX_ANSWER_CHARS digits (screened anyway); str() of it may refuse
+        return str(answer) if answer.bit_length() <= 4 * MAX_ANSWER_CHARS else None
+    if isinstance(answer, float):
+        return repr(answer) if math.isfinite(answer) else None
+    if isinstance(answer, Fraction):
+        if answer.denominator == 1:
+            return answer_text(answer.numerator)
+        sign = "-" if answer < 0 else ""
+        return f"{sign}\\frac{{{abs(answer.numerator)}}}{{{answer.denominator}}}"
+    return None
+
+
 def _decide_locally(pred, gold) -> Verdict | tuple[str, str]:
     """A Verdict when no sympy is needed, else the normalized (pred, gold) pair for the slow path."""
-    if not isinstance(pred, str) or not isinstance(gold, str) or not pred.strip() or not gold.strip():
+    pred, gold = answer_text(pred), answer_text(gold)
+    if pred is None or gold is None or not pred.strip() or not gold.strip():
         return Verdict(False, "no_answer")
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return Verdict(False, "screened")
@@ -397,9 +518,10 @@ def _decide_locally(pred, gold) -> Verdict | tuple[str, str]:
     return pred, gold
 
 
-def check(pred: str | None, gold: str, pool: CheckPool | None = None) -> Verdict:
-    """Is the extracted answer `pred` mathematically equivalent to `gold`? Bounded in time; never raises on any
-    input (only a RuntimeError when the worker processes cannot start at all, e.g. math-verify is missing)."""
+def check(pred: str | None, gold, pool: CheckPool | None = None) -> Verdict:
+    """Is the extracted answer `pred` mathematically equivalent to `gold`? Either may also be an int, a float or a
+    Fraction, read as the text of that number (`answer_text`). Bounded in time; never raises on any input (only a
+    RuntimeError when the worker processes cannot start at all, e.g. math-verify is missing)."""
     local = _decide_locally(pred, gold)
     if isinstance(local, Verdict):
         return local
@@ -407,7 +529,7 @@ def check(pred: str | None, gold: str, pool: CheckPool | None = None) -> Verdict
     return Verdict(equal, status)
 
 
-def check_many(preds: list, golds: list[str], pool: CheckPool | None = None) -> list[Verdict]:
+def check_many(preds: list, golds: list, pool: CheckPool | None = None) -> list[Verdict]:
     """check() over pairs; the fast ones in this thread, the slow ones spread over the pool's workers."""
     verdicts = [_decide_locally(p, g) for p, g in zip(preds, golds, strict=True)]
     slow = [i for i, v in enumerate(verdicts) if not isinstance(v, Verdict)]
@@ -420,13 +542,14 @@ def check_many(preds: list, golds: list[str], pool: CheckPool | None = None) -> 
     return verdicts
 
 
-def is_equivalent(pred: str, gold: str, pool: CheckPool | None = None) -> bool:
+def is_equivalent(pred, gold, pool: CheckPool | None = None) -> bool:
     """True when `pred` (an extracted answer) is mathematically equivalent to `gold`."""
     return check(pred, gold, pool).correct
 
 
-def compute_reward(response: str, gold: str, pool: CheckPool | None = None) -> float:
-    """r = 1.0 if the last boxed answer in the model's own text is equivalent to `gold`, else 0.0 (report sec. 3)."""
+def compute_reward(response: str, gold, pool: CheckPool | None = None) -> float:
+    """r = 1.0 if the last boxed answer in the model's own text is equivalent to `gold` (a str, or a number as
+    `check` takes it), else 0.0 (report sec. 3)."""
     return 1.0 if check(extract_answer(response), gold, pool).correct else 0.0
 
 

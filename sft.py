@@ -50,7 +50,7 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from checkpoint import load_checkpoint, resume_point, save_checkpoint, truncate_log
-from config import config_dict, format_config, parse_cli, save_config
+from config import check_ranges, config_dict, format_config, parse_cli, save_config
 from data import check_model_path, load_conversations
 from protocol import DEFAULT_USER_INSTRUCTION, chat_format
 
@@ -88,6 +88,15 @@ class SFTConfig:
     save_every: int = 0  # optimizer steps between checkpoints (0: none); a multiple of log_every
     keep_checkpoints: int = 2  # newest checkpoints kept in out_dir
     resume: str = "auto"  # "auto": continue from out_dir's latest checkpoint; "never"; or a checkpoint folder
+
+
+# Allowed values of the numeric fields (config.check_ranges), checked by `check_inputs` before any work.
+RANGES = {
+    "epochs": ">= 1", "lr": "> 0", "warmup_ratio": ">= 0 and <= 1", "batch_size": ">= 1", "micro_batch_size": ">= 1",
+    "max_seq_len": ">= 2", "weight_decay": ">= 0", "adam_beta1": ">= 0 and < 1", "adam_beta2": ">= 0 and < 1",
+    "grad_clip": "> 0", "seed": ">= 0 and <= 4294967295", "log_every": ">= 1", "max_steps": ">= 1",
+    "save_every": ">= 0", "keep_checkpoints": ">= 1",
+}
 
 
 # ----------------------------------------------------------------------------------- data (pure)
@@ -215,7 +224,10 @@ def save_model(acc: Accelerator, model, tokenizer, out: Path) -> None:
 
 # ----------------------------------------------------------------------------------- main
 def check_inputs(cfg: SFTConfig):
-    """Stop with a clear message before any work: missing model or data, a bad conversation (file and line)."""
+    """Stop with a clear message before any work: a value out of range, missing model or data, a bad conversation
+    (file and line)."""
+    if problems := check_ranges(cfg, RANGES):
+        raise SystemExit("config error: " + "; ".join(problems))
     try:
         check_model_path(cfg.model_path)
     except ValueError as e:

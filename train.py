@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from checkpoint import latest_checkpoint, load_checkpoint, resume_point, save_checkpoint, truncate_log
 from code_tool import CodeTool
-from config import format_config, parse_cli, save_config
+from config import check_ranges, format_config, parse_cli, save_config
 from data import check_model_path, load_problems
 from hf_sampler import HFSampler
 from plots import plot_curves
@@ -124,10 +124,27 @@ class TrainConfig:
     torch_threads: int = 0                # CPU threads for torch (0: its default); 1 leaves a core to the tool
 
 
+# Allowed values of the numeric fields (config.check_ranges), checked by `validate` before any work.
+RANGES = {
+    "steps": ">= 1", "seed": ">= 0 and <= 4294967295", "world_size": ">= 0",
+    "prompts_per_step": ">= 1", "rollouts_per_prompt": ">= 2", "group_size": ">= 2",
+    "clip_low": ">= 0 and < 1", "clip_high": ">= 0", "dual_clip": "> 1",
+    "max_response_tokens": ">= 16", "max_turns": ">= 1", "max_prompt_tokens": ">= 1",
+    "temperature": "> 0",  # the update divides the logits by it (0 is greedy for a sampler, undefined here)
+    "top_p": "> 0 and <= 1", "rollout_batch_size": ">= 1",
+    "vllm_gpu_memory_utilization": "> 0 and <= 1", "vllm_tensor_parallel_size": ">= 1",
+    "tool_workers": ">= 0", "tool_timeout": "> 0", "tool_memory_mb": ">= 1", "tool_max_output_chars": ">= 1",
+    "lr": "> 0", "warmup_steps": ">= 0", "weight_decay": ">= 0", "adam_beta1": ">= 0 and < 1",
+    "adam_beta2": ">= 0 and < 1", "grad_clip": "> 0", "updates_per_step": ">= 1", "micro_batch_size": ">= 1",
+    "log_every": ">= 1", "eval_every": ">= 0", "eval_samples": ">= 1", "eval_temperature": ">= 0",
+    "eval_limit": ">= 0", "save_every": ">= 1", "keep_checkpoints": ">= 1", "torch_threads": ">= 0",
+}
+
+
 # ============================================================================ plain helpers (no rank logic here)
 def validate(cfg: TrainConfig, world: int) -> None:
     """Config errors that need no files, raised before any work."""
-    problems = []
+    problems = check_ranges(cfg, RANGES)
     if cfg.roc_mode not in ("sample", "lowest", "off"):
         problems.append(f"roc_mode must be sample, lowest or off, got {cfg.roc_mode!r}")
     if cfg.roc_mode == "off" and cfg.group_size != cfg.rollouts_per_prompt:
@@ -136,6 +153,11 @@ def validate(cfg: TrainConfig, world: int) -> None:
         problems.append(f"need 2 <= group_size <= rollouts_per_prompt, got {cfg.group_size}, {cfg.rollouts_per_prompt}")
     if cfg.prompts_per_step % world:
         problems.append(f"prompts_per_step={cfg.prompts_per_step} must divide over {world} processes")
+    most = math.ceil(cfg.prompts_per_step // world * cfg.group_size / max(cfg.micro_batch_size, 1))
+    if cfg.updates_per_step > most > 0:
+        # the last optimizer steps would get no micro-batch: empty updates that AdamW's momentum still applies
+        problems.append(f"updates_per_step={cfg.updates_per_step} exceeds the {most} micro-batch(es) a rank gets "
+                        f"per step (prompts_per_step / world * group_size / micro_batch_size)")
     if cfg.loss_agg not in LOSSES:
         problems.append(f"loss_agg must be one of {sorted(LOSSES)}, got {cfg.loss_agg!r}")
     if cfg.sampler not in ("hf", "vllm"):
@@ -151,10 +173,8 @@ def check_inputs(cfg: TrainConfig, tokenizer, fmt, problems: list[dict]) -> None
     for p in problems:
         n = len(tokenizer.encode(fmt.prompt(p["problem"]), add_special_tokens=False))
         if n > cfg.max_prompt_tokens:
-            raise SystemExit(f"input error: {p.get('source', '?')}: prompt is {n} tokens, over max_prompt_tokens="
+            raise SystemExit(f"input error: {p.where}: prompt is {n} tokens, over max_prompt_tokens="
                              f"{cfg.max_prompt_tokens}")
-    if cfg.max_response_tokens < 16:
-        raise SystemExit(f"config error: max_response_tokens={cfg.max_response_tokens} leaves no room to answer")
 
 
 def prompt_indices(step: int, per_step: int, n_data: int, seed: int) -> list[int]:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from config import ConfigError, load_config, parse_cli, save_config
+from config import ConfigError, check_ranges, load_config, parse_cli, save_config
 
 
 @dataclass
@@ -128,3 +128,77 @@ def test_argparse_entry_points_answer_help(entry):
     out = subprocess.run([sys.executable, f"{entry}.py", "--help"], cwd=root, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "usage:" in out.stdout, out.stderr
+
+
+# ----------------------------------------------------------------------------------- numeric ranges
+def test_check_ranges_names_the_key_the_rule_and_the_value():
+    cfg = Demo(lr=float("nan"), steps=-5)
+    assert check_ranges(cfg, {"lr": "> 0", "steps": ">= 1", "data": ">= 0"}) == [
+        "lr must be a finite number > 0, got nan", "steps must be an integer >= 1, got -5"]  # None passes
+    assert check_ranges(Demo(lr=float("inf")), {"lr": "> 0"}) == ["lr must be a finite number > 0, got inf"]
+    assert check_ranges(Demo(lr=1.0), {"lr": ">= 0 and < 1"}) == ["lr must be a finite number >= 0 and < 1, got 1.0"]
+    assert check_ranges(Demo(lr=0.5, steps=1), {"lr": ">= 0 and < 1", "steps": ">= 1"}) == []
+
+
+ENTRY_CLASSES = {"train": "TrainConfig", "sft": "SFTConfig", "eval": "EvalConfig"}
+UNCHECKED = {"stage"}  # TrainConfig.stage is a label in the log, any integer will do
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_CLASSES))
+def test_every_numeric_field_has_a_range_and_the_shipped_configs_are_in_it(entry):
+    import dataclasses
+    import importlib
+    import typing
+    module = importlib.import_module(entry)
+    cls = getattr(module, ENTRY_CLASSES[entry])
+    hints = typing.get_type_hints(cls)
+    numeric = {f.name for f in dataclasses.fields(cls)
+               if {int, float} & {hints[f.name], *typing.get_args(hints[f.name])}}
+    assert set(module.RANGES) == numeric - UNCHECKED
+    assert check_ranges(cls(), module.RANGES) == []
+    root = Path(__file__).resolve().parents[1]
+    name = {"train": "stage*", "sft": "sft", "eval": "eval"}[entry]
+    shipped = sorted(root.glob(f"configs/*/{name}.yaml"))
+    assert len(shipped) >= 2
+    for path in shipped:
+        assert check_ranges(load_config(cls, [path]), module.RANGES) == [], path
+
+
+@pytest.mark.parametrize("entry, override, message", [
+    ("train", "lr=nan", "lr must be a finite number > 0, got nan"),
+    ("train", "lr=-1", "lr must be a finite number > 0, got -1.0"),
+    ("train", "steps=-5", "steps must be an integer >= 1, got -5"),
+    ("train", "temperature=0", "temperature must be a finite number > 0, got 0.0"),
+    ("train", "save_every=0", "save_every must be an integer >= 1, got 0"),
+    ("train", "log_every=0", "log_every must be an integer >= 1, got 0"),
+    ("train", "micro_batch_size=0", "micro_batch_size must be an integer >= 1, got 0"),
+    ("train", "updates_per_step=0", "updates_per_step must be an integer >= 1, got 0"),
+    ("train", "updates_per_step=9", "updates_per_step=9 exceeds the 8 micro-batch"),
+    ("train", "dual_clip=1.0", "dual_clip must be a finite number > 1, got 1.0"),
+    ("train", "top_p=1.5", "top_p must be a finite number > 0 and <= 1, got 1.5"),
+    ("sft", "lr=nan", "lr must be a finite number > 0, got nan"),
+    ("sft", "log_every=0", "log_every must be an integer >= 1, got 0"),
+    ("sft", "micro_batch_size=0", "micro_batch_size must be an integer >= 1, got 0"),
+    ("sft", "warmup_ratio=2", "warmup_ratio must be a finite number >= 0 and <= 1, got 2.0"),
+    ("sft", "max_steps=0", "max_steps must be an integer >= 1, got 0"),
+    ("eval", "samples=0", "samples must be an integer >= 1, got 0"),
+    ("eval", "temperature=-1", "temperature must be a finite number >= 0, got -1.0"),
+    ("eval", "batch_size=0", "batch_size must be an integer >= 1, got 0"),
+])
+def test_entry_points_refuse_out_of_range_values_before_any_work(tmp_path, entry, override, message):
+    """The checks come before any file is read or written (the tiny configs name models and data that need not
+    exist here)."""
+    import eval as ev
+    import sft
+    import train
+    out = tmp_path / "out"
+    args = {"train": ["configs/tiny/stage1.yaml", "prompts_per_step=4", "micro_batch_size=2"],
+            "sft": ["configs/tiny/sft.yaml"], "eval": ["configs/tiny/eval.yaml"]}[entry] + [override, f"out_dir={out}"]
+    root = Path(__file__).resolve().parents[1]
+    args[0] = str(root / args[0])
+    run = {"train": train.main, "eval": ev.main,
+           "sft": lambda argv: sft.train(parse_cli(sft.SFTConfig, argv))}[entry]
+    with pytest.raises(SystemExit) as e:
+        run(args)
+    assert str(e.value).startswith("config error: ") and message in str(e.value)
+    assert not out.exists()

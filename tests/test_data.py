@@ -88,3 +88,60 @@ def test_check_model_path_accepts_a_model_folder_or_hub_id_only(tmp_path):
     for bad in [str(tmp_path), str(tmp_path / "missing"), "", "no_such_run/tiny/base/", "./model", "name"]:
         with pytest.raises(ValueError, match="not a model folder"):
             check_model_path(bad)
+
+
+def test_problem_rows_know_their_file_and_line(tmp_path):
+    rows = ['{"problem": "a", "answer": "1"}', "", '{"problem": "b", "answer": "2"}']
+    path = _write_lines(tmp_path / "p.jsonl", rows)
+    rows = load_problems(path)
+    assert [r.where for r in rows] == [f"{path}:1", f"{path}:3"]
+    assert json.dumps(rows[1]) == '{"problem": "b", "answer": "2"}'  # the location is not part of the row
+
+
+@pytest.mark.parametrize("raw, message", [
+    ('{"problem": "caf\xe9", "answer": "1"}'.encode("latin-1"), "not UTF-8 text (byte 0xe9 at column 17)"),
+    (b"[" * 100_000 + b"]" * 100_000, "JSON nested too deeply"),
+    (b'{"problem": "x", "answer": ' + b"9" * 5000 + b"}", "not valid JSON (Exceeds the limit"),
+])
+def test_unreadable_lines_name_file_and_line(tmp_path, raw, message):
+    path = tmp_path / "p.jsonl"
+    for load, good in [(load_problems, '{"problem": "ok", "answer": "1"}'),
+                       (load_conversations, json.dumps({"messages": GOOD_CONVERSATION}))]:
+        path.write_bytes(good.encode() + b"\n\n" + raw + b"\n")
+        with pytest.raises(ValueError) as e:
+            load(path)
+        assert str(e.value).startswith(f"{path}:3: {message}"), str(e.value)
+
+
+def test_a_utf8_byte_order_mark_is_accepted(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"problem": "x", "answer": "1"}\n')
+    assert load_problems(path) == [{"problem": "x", "answer": "1"}]
+
+
+def test_answers_written_as_numbers_mean_their_text(tmp_path):
+    path = _write_lines(tmp_path / "p.jsonl", [json.dumps({"problem": "x", "answer": a}) for a in
+                                                [25, -3, 0.5, 2.50, 1e-07, 12345678901234567890]])
+    assert [r["answer"] for r in load_problems(path)] == ["25", "-3", "0.5", "2.5", "1e-07", "12345678901234567890"]
+    for bad in ["1e400", "NaN", "false", "[1]"]:
+        _write_lines(path, ['{"problem": "x", "answer": %s}' % bad])
+        with pytest.raises(ValueError, match=r"p.jsonl:1: 'answer' must be a non-empty string or a finite number"):
+            load_problems(path)
+
+
+def test_a_mistyped_local_model_folder_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "sft").mkdir(parents=True)
+    (tmp_path / "runs" / "sft" / "config.json").write_text("{}")
+    check_model_path("runs/sft")
+    with pytest.raises(ValueError, match=r"'runs/sft_typo' is not a model folder \(no such folder in runs/"):
+        check_model_path("runs/sft_typo")
+    check_model_path("Qwen/Qwen3-14B-Base")  # no folder Qwen/ here: a hub id
+
+
+def test_offline_a_hub_id_must_be_in_the_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set and the hub id is not in the local cache"):
+        check_model_path("Qwen/Qwen3-14B-Base")

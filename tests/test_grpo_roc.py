@@ -95,6 +95,48 @@ def test_roc_counts_match_the_public_code_when_keeping_half(n_total):
         assert roc_counts(n_pos, n_total - n_pos, n_total // 2) == _public_code_counts(n_pos, n_total - n_pos, n_total // 2)
 
 
+def _public_code_rule(n_pos, n_neg, keep, minimum=2):
+    """The public code's down-sampling counts, as its rule reads (both counts rounded on their own, the negatives'
+    minimum tested first, each when the count is <= the minimum); None where its `len(choices) == keep` assertion
+    would fail."""
+    n = n_pos + n_neg
+    neg, pos = round(n_neg * keep / n), round(n_pos * keep / n)
+    if neg < minimum and pos < minimum:
+        return None  # it keeps the whole group then (no down-sampling), not `keep` rollouts
+    if neg <= min(minimum, n_neg):
+        neg = min(minimum, n_neg)
+        pos = keep - neg
+    if pos <= min(minimum, n_pos):
+        pos = min(minimum, n_pos)
+        neg = keep - pos
+    return (pos, neg) if pos + neg == keep else None
+
+
+@pytest.mark.parametrize("G", [4, 8, 16])
+def test_roc_counts_equal_the_public_rule_for_even_group_sizes(G):
+    for n_pos in range(1, 2 * G):
+        assert roc_counts(n_pos, 2 * G - n_pos, G) == _public_code_rule(n_pos, 2 * G - n_pos, G)
+
+
+def test_roc_counts_for_odd_group_sizes_by_hand_and_where_the_public_rule_differs():
+    # G = 5 from 10: the split rounded half to even, then the minimums of 2; always exactly G
+    assert [roc_counts(p, 10 - p, 5) for p in range(1, 10)] == [
+        (1, 4), (2, 3), (2, 3), (2, 3), (2, 3), (3, 2), (3, 2), (3, 2), (4, 1)]
+    assert _public_code_rule(5, 5, 5) == (3, 2)  # the public code keeps 3 positives here
+    assert _public_code_rule(7, 7, 7) is None  # 4 + 4 = 8 rollouts for G = 7: its assertion fails
+    for G in [3, 5, 7, 9, 15]:
+        for n_pos in range(1, 2 * G):
+            n_neg = 2 * G - n_pos
+            ours = roc_counts(n_pos, n_neg, G)
+            assert sum(ours) == G
+            if G >= 4:  # below 4 the two minimums of 2 cannot both hold (and the two rules settle it differently)
+                assert ours[0] >= min(2, n_pos) and ours[1] >= min(2, n_neg)
+            if G >= 4 and n_pos % 2 == 0:  # no half to round: both rules agree
+                assert ours == _public_code_rule(n_pos, n_neg, G), (G, n_pos)
+    # with an exact half to round they part: G = 7, 9 of 14 positive: 4 here (4.5 to even), 5 there
+    assert roc_counts(9, 5, 7) == (4, 3) and _public_code_rule(9, 5, 7) == (5, 2)
+
+
 # ----------------------------------------------------------------------------------- RoC selection
 def _group(n_total, n_pos, seed=0):
     """Rewards with n_pos positives at shuffled places, and penalties from the grid {0, .25, .5, 1, 1.5}."""
@@ -306,6 +348,36 @@ def test_dual_clip_caps_the_loss_for_negative_advantages():
     assert policy_loss(logp, old, adv, torch.ones(1, 2))[0].item() == pytest.approx((5.0 + 2.0) / 2)
     with pytest.raises(ValueError):
         policy_loss(logp, old, adv, torch.ones(1, 2), dual_clip=1.0)
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_huge_log_ratios_give_a_finite_loss_and_gradient(dual_clip):
+    """exp(100) overflows float32: without the clamp the dual-clipped gradient is 0 * inf = NaN."""
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[100.0, 0.1, -100.0], [100.0, -0.1, -100.0]], requires_grad=True)
+    adv = torch.tensor([-1.0, 1.0])
+    loss, m = policy_loss(logp, old, adv, torch.ones(2, 3), dual_clip=dual_clip)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and all(math.isfinite(v) for v in m.values())
+    # the ordinary tokens keep their gradient: -A * ratio / 6 (inside the clip range)
+    assert logp.grad[0, 1].item() == pytest.approx(math.exp(0.1) / 6, rel=1e-5)
+    assert logp.grad[1, 1].item() == pytest.approx(-math.exp(-0.1) / 6, rel=1e-5)
+    assert (logp.grad[:, [0, 2]] == 0).all()  # past the clamp: no gradient through the ratio
+    # row 0 (A = -1): e^20 (capped at -c * A = 3 by the dual clip), e^0.1, and 0.8 (the low clip of e^-20);
+    # row 1 (A = 1): -1.28 (the high clip of e^20), -e^-0.1, -e^-20
+    big = math.exp(20.0) if dual_clip is None else 3.0
+    expected = (big + math.exp(0.1) + 0.8 - 1.28 - math.exp(-0.1) - math.exp(-20.0)) / 6
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_clamp_leaves_every_ordinary_ratio_unchanged():
+    logp, old, adv, mask = _random_batch(N=8, T=12, seed=5)
+    logp = old + (logp - old) * 4  # log ratios up to about +-10: e^10 is far past every clip, below the clamp
+    assert (logp - old)[mask == 1].abs().max() > 5
+    for dual_clip in (None, 3.0):
+        loss, _ = policy_loss(logp, old, adv, mask, dual_clip=dual_clip)
+        assert loss.item() == pytest.approx(_loop_loss(logp, old, adv, mask, 0.2, 0.28, dual_clip,
+                                                       int(mask.sum())), rel=1e-9)
 
 
 def test_masked_positions_get_zero_gradient_even_with_garbage_values():

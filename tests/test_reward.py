@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -253,7 +254,7 @@ def test_screen_lets_honest_answers_through(answer):
     assert not reward.is_explosive(reward.normalize(answer))
 
 
-@pytest.mark.parametrize("junk", [None, 204, "", "   ", "\x00\x01", "\\", "{}", "$$", "}" * 1000, "\\boxed{"])
+@pytest.mark.parametrize("junk", [None, True, [204], "", "   ", "\x00\x01", "\\", "{}", "$$", "}" * 1000, "\\boxed{"])
 def test_junk_never_raises(pool, junk):
     assert check(junk, "204", pool).correct is False
     assert compute_reward(junk, "204", pool) == 0.0
@@ -313,18 +314,104 @@ def test_close_stops_every_worker_and_a_later_run_restarts():
     p = CheckPool(workers=2, equal_fn=_sleepy_equal)
     assert p.run("a", "a") == (True, "slow")
     processes = [w.process for w in p._live]
-    assert len(processes) == 2 and all(proc.is_alive() for proc in processes)
+    assert len(processes) == 2 and all(proc.poll() is None for proc in processes)
     p.close()
-    assert not any(proc.is_alive() for proc in processes)
+    assert not any(proc.poll() is None for proc in processes)
     assert p.run("a", "b") == (False, "slow")
     p.close()
 
 
 def test_import_starts_no_process_and_no_sympy():
-    code = ("import multiprocessing, sys, reward; reward.check('204', '204.0'); "
-            "assert not multiprocessing.active_children(); assert 'sympy' not in sys.modules; print('ok')")
+    code = ("import sys, reward; reward.check('204', '204.0'); "
+            "assert reward._default_pool is None; assert 'sympy' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_close_while_a_timed_out_worker_is_being_replaced_stops_it_once(monkeypatch):
+    """A timed-out worker is stopped in a background thread. close() must not stop it a second time: closing its
+    pipe twice from two threads closes a file descriptor that may by then belong to another file (or fails with
+    EBADF). The background close is held until close() has returned, so the overlap happens on every run."""
+    from multiprocessing.connection import Connection
+    real_close, closed, errors = Connection._close, [], []
+    release, finished = threading.Event(), threading.Event()
+
+    def recorded_close(conn):
+        closed.append(conn)  # the objects themselves: ids of freed objects are reused
+        if threading.current_thread() is threading.main_thread():
+            return real_close(conn)
+        release.wait(10)  # a background stop: wait until close() is over
+        try:
+            return real_close(conn)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(Connection, "_close", recorded_close)
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    p = CheckPool(workers=2, timeout_s=0.5, equal_fn=_sleepy_equal)
+    try:
+        assert p.run("a", "a") == (True, "slow")
+        assert p.run("hang", "a") == (False, "timeout")
+    finally:
+        p.close()
+        release.set()
+    assert finished.wait(10)  # the background stop ran
+    assert errors == []
+    twice = [c for c in closed if sum(x is c for x in closed) > 1]
+    assert twice == []
+
+
+@pytest.mark.parametrize("how", ["file", "stdin", "-c"])
+def test_a_script_without_main_guard_can_check_answers(tmp_path, how):
+    """Workers never run the caller's script again: a guard-less script (or one read from stdin or -c) that calls
+    compute_reward on answers past the integer fast path gets the right rewards, not a RuntimeError."""
+    cases = [(p, g, e) for p, g, e in EQUIV_CASES if reward.as_number(reward.normalize(p)) is None][:24]
+    script = (f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom reward import compute_reward\n"
+              f"cases = {cases!r}\n"
+              "rewards = [compute_reward('<answer>\\\\boxed{' + p + '}</answer>', g) for p, g, _ in cases]\n"
+              "print(''.join(str(int(r)) for r in rewards))\n")
+    if how == "file":
+        (tmp_path / "check_answers.py").write_text(script)
+        command, stdin = [sys.executable, "check_answers.py"], None
+    else:
+        command, stdin = ([sys.executable, "-"], script) if how == "stdin" else ([sys.executable, "-c", script], None)
+    out = subprocess.run(command, cwd=tmp_path, input=stdin, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "".join(str(int(e)) for _, _, e in cases)
+
+
+def test_reward_pasted_into_a_script_needs_the_guard_and_says_so(tmp_path):
+    """Code that lives in the script itself can only be loaded from it: with a guard that works; without one the
+    worker refuses to start workers of its own (no process explosion) and the error says what to do."""
+    source = (ROOT / "reward.py").read_text().split('\nif __name__ == "__main__":')[0]  # without its demo
+    call = "print(compute_reward('<answer>\\\\boxed{\\\\frac12}</answer>', '0.5'))\n"
+    (tmp_path / "guarded.py").write_text(source + "\nif __name__ == '__main__':\n    " + call)
+    (tmp_path / "unguarded.py").write_text(source + "\n" + call)
+    good = subprocess.run([sys.executable, "guarded.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert good.returncode == 0 and good.stdout.strip() == "1.0", good.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "unguarded.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "did not start" in bad.stderr and "__name__" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Numbers as answers
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pred, gold, expected", [
+    ("204", 204, True), (204, "204.0", True), (204, 204, True), ("205", 204, False), ("-7", -7, True),
+    ("0.5", 0.5, True), ("0.1", 0.1, True), (r"\frac{1}{2}", 0.5, True), ("2.5", 2.50, True), ("1e-7", 1e-7, True),
+    ("0.3", 0.1 + 0.2, False),  # a float means its repr, 0.30000000000000004, not the number a person meant
+    ("10000000000000000", 1e16, True), (r"-\frac{3}{8}", Fraction(-3, 8), True), ("-0.375", Fraction(-3, 8), True),
+    ("2", Fraction(4, 2), True), (r"\frac{3}{8}", Fraction(-3, 8), False), (0.5, Fraction(1, 2), True),
+])
+def test_numbers_mean_what_their_text_means(pool, pred, gold, expected):
+    assert check(pred, gold, pool).correct is expected
+    assert check_many([pred], [gold], pool)[0].correct is expected
+
+
+def test_bools_nan_and_other_types_are_not_numbers():
+    for gold in [True, False, float("nan"), float("inf"), [204], None, 10 ** 5000]:
+        assert check("1", gold) == Verdict(False, "no_answer"), gold
+    assert compute_reward("<answer>\\boxed{204}</answer>", 204) == 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -107,8 +107,11 @@ def test_parser_reads_a_good_call_and_the_first_of_two():
     assert parse_tool_call("no call here</reason>\n<answer>\\boxed{1}</answer>") is None
     args_as_string = json.dumps({"name": TOOL_NAME, "arguments": json.dumps({"code": "x=1"})})
     assert parse_tool_call(f"<tool_call>{args_as_string}</tool_call>").code == "x=1"
-    assert parse_tool_call(format_tool_call("print('a\"b')", "in")) == parse_tool_call(format_tool_call(
-        "print('a\"b')", "in"))
+    # what format_tool_call writes, the parser reads back exactly: quotes, backslashes, newlines, tabs, non-ASCII
+    for code, stdin in [("print('a\"b')", "in"), ("s = 'x\\\\n'\nprint(s, end='\\t')", "1 2\n3\n"),
+                        ("print('caf\u00e9 \u2211')", ""), ("{'a': [1, {}]}", "{}")]:
+        call = parse_tool_call("Let me compute.</reason>\n" + format_tool_call(code, stdin))
+        assert (call.code, call.stdin, call.error) == (code, stdin, None)
 
 
 @pytest.mark.parametrize("body, words", [
