@@ -82,6 +82,27 @@ class _PrefixStore:
         self.entries.clear()
 
 
+def load_named_weights(model: torch.nn.Module, weights) -> None:
+    """Copy (name, tensor) pairs into `model`'s parameters and persistent buffers in place (cast to their dtype
+    and device), consuming one pair at a time. Every weight must arrive (tied weights under either name); a name the
+    model lacks, or a shape that differs (a shard sent instead of the gathered parameter), is an error."""
+    targets = model.state_dict(keep_vars=True)  # parameters themselves: tied names share one object
+    needed = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers() if n in targets}
+    got = set()
+    with torch.no_grad():
+        for name, tensor in weights:
+            own = targets.get(name)
+            if own is None:
+                raise ValueError(f"weight hand-off: the sampler's model has no weight {name!r}")
+            if own.shape != tensor.shape:
+                raise ValueError(f"weight hand-off: {name} arrived with shape {tuple(tensor.shape)}, the sampler's "
+                                 f"is {tuple(own.shape)} (a shard instead of the gathered parameter?)")
+            own.copy_(tensor)
+            got.update(n for n, t in targets.items() if t is own)
+    if needed - got:
+        raise ValueError(f"weight hand-off: {len(needed - got)} weights never arrived, e.g. {min(needed - got)}")
+
+
 def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: (B, V) logits, (B,) temperatures and top-p -> sampled ids (B,) and log softmax(logits / T)[id] (B,).
     T = 0 is greedy, with log-probs at T = 1. top-p keeps the smallest set of most likely tokens holding at least
@@ -293,14 +314,16 @@ class HFSampler:
         return self.model(input_ids=ids, position_ids=pos, attention_mask=mask[:, None], **kwargs).logits[:, -1]
 
     def update_weights(self, model) -> None:
-        """Colocated (the trainer's own model object): nothing to copy. Otherwise copy the state dict in. Either
-        way the stored keys and values were computed with the old weights: they are dropped, and the slot buffers
-        are freed for the update."""
+        """`model`: the trainer's module, or (name, tensor) pairs (the gathered weights of a sharded trainer,
+        streamed). Colocated (the trainer's own model object): nothing to copy. Otherwise copy the weights in.
+        Either way the stored keys and values were computed with the old weights: they are dropped, and the slot
+        buffers are freed for the update."""
         assert not self.has_work(), "update_weights between rollouts, not during one"
         self.prefixes.clear()
         self.kv = self.seen = None  # the slot buffers are allocated again by the next rollout
         if model is not self.model:
-            self.model.load_state_dict(model.state_dict())
+            load_named_weights(self.model, model.state_dict().items() if isinstance(model, torch.nn.Module)
+                               else model)
 
     def weights_checksum(self) -> float:
         return model_checksum(self.model)

@@ -238,6 +238,57 @@ def rank_share(items: list, accelerator) -> list:
     return items[accelerator.process_index * n:(accelerator.process_index + 1) * n]
 
 
+def is_sharded(model) -> bool:
+    """True when FSDP has split the policy's parameters over ranks (DTensors): no rank holds the whole model."""
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def gathered_weights(model, device):
+    """(name, full tensor) for each parameter and persistent buffer, one at a time. Under FSDP each parameter is
+    all-gathered when it is reached (a collective: every rank iterates, in the same order) and the consumer drops
+    it before the next, so at most one unsharded parameter exists at once, whatever the model's size (TRL and verl
+    stream FSDP weights into vLLM the same way). Tied weights come once (`named_parameters` skips duplicates)."""
+    from torch.distributed.tensor import DTensor
+    persistent = model.state_dict().keys()  # communication-free under FSDP2: local shards
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name in persistent:
+            if isinstance(t, DTensor):
+                t = t.to(device).full_tensor()  # .to: parameters offloaded to CPU gather on the device
+            yield name.replace("_checkpoint_wrapped_module.", ""), t.detach()
+
+
+def sampler_policy(cfg, accelerator, model):
+    """The model HFSampler decodes with: the trainer's own object when this rank holds all of it; under FSDP a full
+    copy of its own (decoding on the sharded model would need every rank in every forward), in the checkpoint's
+    dtype, which `hand_off` fills with the trainer's weights. vLLM loads its own copy."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    policy = accelerator.unwrap_model(model)
+    if cfg.sampler != "hf" or not is_sharded(policy):
+        return policy
+    # Built from the config, not loaded: under FSDP's low-memory loading only rank 0 reads the checkpoint.
+    config = AutoConfig.from_pretrained(cfg.model_path)
+    with torch.device(accelerator.device):
+        copy = AutoModelForCausalLM.from_config(config, torch_dtype=checkpoint_dtype(config))
+    copy.generation_config = GenerationConfig.from_model_config(config)
+    if (Path(cfg.model_path) / "generation_config.json").is_file():
+        copy.generation_config = GenerationConfig.from_pretrained(cfg.model_path)
+    return copy
+
+
+def checkpoint_dtype(config) -> torch.dtype:
+    """The dtype a checkpoint was saved in (config.json's `dtype`, `torch_dtype` before transformers 5)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def hand_off(accelerator, model, sampler) -> None:
+    """Phase 9: the trainer's weights into the sampler: the module itself where this rank holds all of it, else
+    the gathered parameters, streamed."""
+    policy = accelerator.unwrap_model(model)
+    sampler.update_weights(gathered_weights(policy, accelerator.device) if is_sharded(policy) else policy)
+
+
 # ============================================================================ the policy update (phases 7-8)
 def micro_batches(items: list, size: int, count: int) -> list[list]:
     """Split `items` into exactly `count` chunks of at most `size` (trailing chunks may be empty)."""
@@ -255,13 +306,27 @@ def make_batch(chunk: list, dummy, pad_id: int) -> tuple[dict, torch.Tensor]:
     return batch, torch.zeros(1)
 
 
+def to_device(item: tuple[dict, torch.Tensor], device) -> tuple[dict, torch.Tensor]:
+    """A (batch, advantages) pair from make_batch, on the model's device."""
+    batch, adv = item
+    return {k: v.to(device) for k, v in batch.items()}, adv.to(device)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a tensor that FSDP may hand back as a DTensor (the gradient norm)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, cfg, pad_id: int) -> dict:
     """Phases 7-8 on this rank's kept [(trajectory, advantage)]. Returns metrics as {name: (sum, count)}."""
     world, size = accelerator.num_processes, cfg.micro_batch_size
     # Every rank runs the same number of micro-batches (the largest any rank needs).
     n_micro = max(int(all_max(accelerator, math.ceil(len(kept) / size))), 1)
     chunks = micro_batches(kept, size, n_micro)
-    batches = [make_batch(c, dummy, pad_id) for c in chunks]
+    batches = [to_device(make_batch(c, dummy, pad_id), accelerator.device) for c in chunks]
+    # Under FSDP, skipping the gradient sync would keep a whole unsharded gradient on every GPU until the last
+    # micro-batch; instead each micro-batch's gradient is reduce-scattered into the shards as it comes.
+    sync_each = is_sharded(model)
     # Phase 7: old log-probs under the policy before this step's first update.
     model.eval()
     with torch.no_grad():
@@ -280,7 +345,7 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
         loss_sum = 0.0
         for j, i in enumerate(ids):
             (batch, adv), last = batches[i], j == len(ids) - 1
-            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            with contextlib.nullcontext() if last or sync_each else accelerator.no_sync(model):
                 logp = token_logprobs(model, batch, cfg.temperature)
                 loss, metrics = LOSSES[cfg.loss_agg](logp, old[i], adv, batch["loss_mask"], clip_low=cfg.clip_low,
                                                      clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, **norm)
@@ -296,7 +361,7 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
         optimizer.zero_grad(set_to_none=True)
         # Each rank adds its share; reduce_sums divides the global sum by updates_per_step.
         _add(sums, "policy", loss_sum, 1.0 / world)
-        _add(sums, "grad_norm", float(grad_norm) / world, 1.0 / world)
+        _add(sums, "grad_norm", float(full(grad_norm)) / world, 1.0 / world)
     return sums
 
 
@@ -346,8 +411,8 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
                                                       list(zip(kept, adv)), trajs[0], cfg, run.pad_id).items()}
     t_update = time.perf_counter() - t1
     # ---------------------------------------------------------------- 9. hand the new weights to the sampler
+    hand_off(acc, run.model, run.sampler)
     policy = acc.unwrap_model(run.model)
-    run.sampler.update_weights(policy)
     ours, theirs = model_checksum(policy), run.sampler.weights_checksum()
     # Exact for a sampler sharing or copying fp32 weights; a bf16 engine copy agrees to about 3 digits.
     if not (ours == theirs if cfg.sampler == "hf" else abs(ours - theirs) <= 1e-3 * max(abs(ours), 1.0)):
@@ -467,7 +532,9 @@ def setup(cfg: TrainConfig):
         if cfg.report_to:
             acc.init_trackers("rstar2", config={k: str(v) for k, v in vars(cfg).items()})
     set_seed(cfg.seed + acc.process_index)  # rollouts differ per rank; everything else is seeded explicitly
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype="auto")
+    # fp32 master weights whatever the checkpoint's dtype: AdamW's steps at lr 1e-6 are far below bf16's
+    # resolution (they would round away); mixed_precision=bf16 computes in bf16.
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype=torch.float32)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -478,6 +545,9 @@ def setup(cfg: TrainConfig):
             group["lr"] = group["initial_lr"] = cfg.lr
     # lr_t = lr * min(1, (t + 1) / warmup_steps): linear warm-up, then constant (report section 4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / max(cfg.warmup_steps, 1)))
+    if acc.distributed_type == "FSDP" and not acc.is_fsdp2:
+        raise SystemExit("config error: train.py shards with FSDP2: set fsdp_version: 2 in the Accelerate config "
+                         "(configs/accelerate/*.yaml)")
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     step = 0
     if start is not None:
@@ -485,7 +555,8 @@ def setup(cfg: TrainConfig):
         if acc.is_main_process:
             truncate_log(out / "metrics.jsonl", step)
             print(f"resumed from {start} at step {step}")
-    sampler = make_sampler(cfg, acc.unwrap_model(model), tokenizer)
+    sampler = make_sampler(cfg, sampler_policy(cfg, acc, model), tokenizer)
+    hand_off(acc, model, sampler)  # the sampler starts from the trainer's weights (a resumed checkpoint's too)
     tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
                     max_output_chars=cfg.tool_max_output_chars)
     return step, Run(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,

@@ -1,6 +1,8 @@
 """`python tests/run_scripted_train.py [train.py args]`: train.py's real entry point with the scripted policy
 (tests/scripted_policy.py), for tests that need a separate process (SIGKILL, torchrun). SCRIPTED_RNG=1 makes the
-policy's answers depend on the global torch RNG. Each rank writes rank{R}.json (world size, weight checksum)."""
+policy's answers depend on the global torch RNG; CPU_FSDP=1 lets Accelerate's FSDP run on CPU processes
+(tests/cpu_fsdp.py). Each rank writes rank{R}.json (world size, weight checksum) and sampler{R}.pt (the weights
+its sampler holds at the end)."""
 import json
 import os
 import sys
@@ -9,11 +11,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
+
 import train  # noqa: E402
 from sampler import model_checksum  # noqa: E402
 from scripted_policy import ScriptedSampler  # noqa: E402
 
 if __name__ == "__main__":
+    if os.environ.get("CPU_FSDP") == "1":
+        import cpu_fsdp
+        cpu_fsdp.enable()
     made = []
 
     def make(cfg, model, tokenizer):
@@ -27,3 +34,4 @@ if __name__ == "__main__":
     weights = {k: v.detach().flatten()[:4].tolist() for k, v in made[0].model.state_dict().items()}
     (out / f"rank{rank}.json").write_text(json.dumps({"world_size": world, "checksum": model_checksum(made[0].model),
                                                       "weights": weights}))
+    torch.save({k: v.detach().clone() for k, v in made[0].model.state_dict().items()}, out / f"sampler{rank}.pt")

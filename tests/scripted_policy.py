@@ -13,6 +13,7 @@ import re
 
 import torch
 
+from hf_sampler import load_named_weights
 from protocol import IM_END, format_tool_call
 from sampler import Completion, TurnSampler, model_checksum
 
@@ -49,7 +50,12 @@ class ScriptedSampler(TurnSampler):
         return out
 
     def update_weights(self, model) -> None:
-        self.model = model
+        """The trainer's module (shared, as HFSampler shares it), or gathered (name, tensor) pairs copied into
+        this sampler's own model (the trainer is sharded)."""
+        if isinstance(model, torch.nn.Module):
+            self.model = model
+        else:
+            load_named_weights(self.model, model)
         self.updates += 1
 
     def weights_checksum(self) -> float:
