@@ -15,7 +15,8 @@ term checked by hand. GB = 10^9 bytes. The estimate follows what train.py does:
   divided by the temperature, the log-softmax): 12 B per token and vocabulary entry;
 - the sampler: a colocated vLLM engine takes `gpu_memory_utilization` of the GPU during rollouts (its bf16 weights,
   ~2 GB of its own activations, the KV cache in what is left) and sleeps during the update (weights in CPU RAM, KV
-  cache dropped); `HFSampler` under FSDP holds its own bf16 copy and a KV buffer per slot.
+  cache dropped at sleep level 2; the hand-off loads every weight again); `HFSampler` under FSDP holds its own
+  bf16 copy and a KV buffer per slot.
 Not counted: the CUDA context and allocator fragmentation (a few GB), NCCL buffers, the code tool's processes.
 """
 from dataclasses import dataclass
@@ -98,8 +99,7 @@ def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, se
     sampler: "vllm" (a colocated engine taking engine_fraction of gpu_gb, weights over engine_tp GPUs) or "hf"
     (HFSampler; under FSDP its own bf16 copy, and hf_slots KV rows of seq_tokens).
     Returns the terms, `rollout_peak` (trainer state + sampler while sampling), `update_peak` (the policy update,
-    the engine asleep), `kv_cache_tokens` (vLLM: tokens its KV cache holds; HF: slots x seq_tokens) and
-    `cpu_ram_sleep` (vLLM's weights in CPU RAM while it sleeps)."""
+    the engine asleep) and `kv_cache_tokens` (vLLM: tokens its KV cache holds; HF: slots x seq_tokens)."""
     p, tokens = shape.params, micro_batch * seq_tokens
     m = {
         "weights": MASTER_BYTES * p / shard / GB,
@@ -115,15 +115,13 @@ def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, se
         m["kv_cache"] = max(engine_fraction * gpu_gb - m["sampler_weights"] - ENGINE_OVERHEAD_GB, 0.0)
         m["sampler_other"] = ENGINE_OVERHEAD_GB
         m["kv_cache_tokens"] = m["kv_cache"] * GB / shape.kv_bytes_per_token
-        asleep = 0.0  # level-1 sleep during the update: weights to CPU RAM, KV cache dropped
-        m["cpu_ram_sleep"] = m["sampler_weights"]
+        asleep = 0.0  # asleep during the update: weights and KV cache dropped
     else:
         m["sampler_weights"] = COMPUTE_BYTES * p / GB if fsdp else 0.0  # unsharded: shares the trainer's model
         m["kv_cache"] = hf_slots * seq_tokens * shape.kv_bytes_per_token / GB
         m["sampler_other"] = 0.0
         m["kv_cache_tokens"] = hf_slots * seq_tokens
         asleep = m["sampler_weights"]  # HFSampler frees its KV buffers for the update; its copy stays
-        m["cpu_ram_sleep"] = 0.0
     sampler_total = m["sampler_weights"] + m["kv_cache"] + m["sampler_other"]
     m["rollout_peak"] = m["weights"] + m["adamw"] + sampler_total  # gradients are freed after each step
     m["update_peak"] = (m["weights"] + m["grads"] + m["adamw"] + m["gathered"] + m["activations"] + m["logits"]
