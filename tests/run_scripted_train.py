@@ -1,7 +1,8 @@
 """`python tests/run_scripted_train.py [train.py args]`: train.py's real entry point with the scripted policy
 (tests/scripted_policy.py), for tests that need a separate process (SIGKILL, torchrun). SCRIPTED_RNG=1 makes the
 policy's answers depend on the global torch RNG; CPU_FSDP=1 lets Accelerate's FSDP run on CPU processes
-(tests/cpu_fsdp.py). Each rank writes rank{R}.json (world size, weight checksum) and sampler{R}.pt (the weights
+(tests/cpu_fsdp.py); SKIP_GATHER=1 makes the hand-off skip the gather of a sharded trainer, so the sampler's own
+copy never receives the weights (what the hand-off check must catch). Each rank writes rank{R}.json (world size, weight checksum) and sampler{R}.pt (the weights
 its sampler holds at the end)."""
 import json
 import os
@@ -20,6 +21,10 @@ if __name__ == "__main__":
     if os.environ.get("CPU_FSDP") == "1":
         import cpu_fsdp
         cpu_fsdp.enable()
+    if os.environ.get("SKIP_GATHER") == "1":
+        real_hand_off = train.hand_off
+        train.hand_off = lambda acc, model, sampler: (None if train.is_sharded(acc.unwrap_model(model))
+                                                      else real_hand_off(acc, model, sampler))
     made = []
 
     def make(cfg, model, tokenizer):
