@@ -1,9 +1,11 @@
-"""Public math sets -> our RL data: JSONL lines {"problem", "answer", "id", "source"} (data.load_problems reads them).
+"""Public math sets -> our data: RL problems as JSONL lines {"problem", "answer", "id", "source"} (data.load_problems
+reads them), and SFT conversations as {"messages": [...]} with tool calls (data.load_conversations reads them).
 
     python convert_data.py dapo data/dapo-math-17k.parquet data/dapo_math.jsonl
     python convert_data.py dapo hub data/dapo_math.jsonl                   # download from the Hugging Face hub
     python convert_data.py math MATH/train data/math_train.jsonl           # MATH's train split, as released
     python convert_data.py math math_train.jsonl data/math_train.jsonl --all-answers
+    python convert_data.py tir NuminaMath-TIR/data/train-00000-of-00001.parquet data/sft_tir.jsonl
 
 Sources:
 - dapo: DAPO-Math-17k (Yu et al. 2025, arXiv 2503.14476; hub `BytedTsinghua-SIA/DAPO-Math-17k`, Apache-2.0), the
@@ -14,6 +16,12 @@ Sources:
 - math: MATH's train split (Hendrycks et al. 2021, MIT licence): the release's folder of JSON files
   (train/<subject>/<n>.json), or a JSONL/parquet copy with `problem` and `solution`. The answer is the last
   \\boxed{...} of the solution.
+- tir: NuminaMath-TIR (Numina and Hugging Face 2024; hub `AI-MO/NuminaMath-TIR`, 72,441 train rows; its card has
+  given Apache-2.0 and CC BY-NC 4.0 at different times: check before commercial use), as SFT conversations in our
+  protocol: each ```python block followed by its ```output block becomes an assistant turn with a tool call and
+  the tool's reply; the text after the last one, then <answer>\\boxed{...}</answer> with the solution's last box,
+  ends it. Solutions whose code never prints are left out (our tool runs a script: a bare last expression prints
+  nothing, unlike the notebook that produced those outputs).
 Files: .parquet (needs `pip install pyarrow`), .jsonl, or a folder of .json files; `hub` downloads DAPO's parquet
 file with huggingface_hub (installed with transformers).
 
@@ -29,7 +37,8 @@ import re
 import sys
 from pathlib import Path
 
-from data import load_problems, write_jsonl
+from data import load_conversations, load_problems, write_jsonl
+from protocol import TOOL_NAME
 
 DAPO_HUB = ("BytedTsinghua-SIA/DAPO-Math-17k", "data/dapo-math-17k.parquet")
 DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
@@ -71,6 +80,46 @@ def dapo_row(row: dict) -> tuple[str, str, str]:
 def math_row(row: dict) -> tuple[str, str | None, str]:
     """(problem, answer or None, id) of a MATH row: the answer is the solution's last \\boxed{}."""
     return row["problem"].strip(), last_boxed(row["solution"]), str(row.get("id", ""))
+
+
+TIR_CALL = re.compile(r"```python\n(.*?)```\s*```output\n(.*?)```", re.S)
+
+
+def tir_messages(problem: str, solution: str) -> list[dict] | None:
+    """Our SFT conversation for a NuminaMath-TIR solution (see the module docstring), or None when it has no code
+    block, code that never prints, or no boxed answer."""
+    answer, calls, messages, start = last_boxed(solution), [], [{"role": "user", "content": problem.strip()}], 0
+    for match in TIR_CALL.finditer(solution):
+        calls.append((solution[start:match.start()].strip(), match.group(1).strip(), match.group(2).strip()))
+        start = match.end()
+    if not calls or answer is None or not all("print(" in code for _, code, _ in calls):
+        return None
+    for text, code, output in calls:
+        messages.append({"role": "assistant", "content": f"{text}</reason>\n",
+                         "tool_calls": [{"function": {"name": TOOL_NAME, "arguments": {"code": code}}}]})
+        messages.append({"role": "tool", "content": output})
+    final = solution[start:].strip()
+    messages.append({"role": "assistant", "content": f"{final}</reason>\n<answer>\\boxed{{{answer}}}</answer>"})
+    return messages
+
+
+def convert_tir(rows: list[dict], source: str, eval_problems: set[str]):
+    """SFT conversation rows from NuminaMath-TIR rows, and the count of each thing dropped."""
+    out, seen = [], set()
+    counts = {"rows": len(rows), "repeats": 0, "no_usable_code": 0, "in_eval_sets": 0}
+    for index, row in enumerate(rows):
+        key = normalize(row["problem"])
+        messages = tir_messages(row["problem"], row["solution"])
+        if key in seen:
+            counts["repeats"] += 1
+        elif key in eval_problems:
+            counts["in_eval_sets"] += 1
+        elif messages is None:
+            counts["no_usable_code"] += 1
+        else:
+            out.append({"messages": messages, "id": str(index), "source": f"{source}:{index}"})
+        seen.add(key)
+    return out, counts
 
 
 def read_rows(path: str) -> list[dict]:
@@ -124,7 +173,7 @@ def convert(rows: list[dict], kind: str, source: str, eval_problems: set[str], i
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=["dapo", "math"], help="which public set the input is")
+    parser.add_argument("kind", choices=["dapo", "math", "tir"], help="which public set the input is")
     parser.add_argument("input", help="a .parquet / .jsonl file, a folder of .json files, or `hub` (dapo only)")
     parser.add_argument("output", help="the JSONL file to write")
     parser.add_argument("--all-answers", action="store_true", help="keep non-integer answers too")
@@ -145,11 +194,17 @@ def main(argv=None) -> None:
         raise SystemExit(f"convert_data: --decontaminate: {e}") from None
     try:
         rows = read_rows(path)
-        out, counts = convert(rows, args.kind, source, eval_problems, integer_only=not args.all_answers)
+        if args.kind == "tir":
+            out, counts = convert_tir(rows, source, eval_problems)
+        else:
+            out, counts = convert(rows, args.kind, source, eval_problems, integer_only=not args.all_answers)
     except (ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"convert_data: {path}: not a {args.kind} file ({type(e).__name__}: {e})") from None
     write_jsonl(args.output, out)
-    print(f"{args.output}: {len(out)} problems from {counts['rows']} rows; dropped "
+    if args.kind == "tir" and out:
+        load_conversations(args.output)  # every conversation renders in our protocol
+    noun = "conversations" if args.kind == "tir" else "problems"
+    print(f"{args.output}: {len(out)} {noun} from {counts['rows']} rows; dropped "
           + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in counts.items() if k != "rows"))
 
 

@@ -6,7 +6,7 @@ import pytest
 
 import convert_data
 from convert_data import DAPO_PREFIX, DAPO_SUFFIX, last_boxed
-from data import load_problems
+from data import load_conversations, load_problems
 
 
 def dapo(problem, answer, index):
@@ -76,3 +76,26 @@ def test_bad_input_is_one_line(tmp_path):
         convert_data.main(["math", str(src), str(tmp_path / "o.jsonl"), "--decontaminate"])
     with pytest.raises(SystemExit, match="hub. downloads DAPO-Math-17k only"):
         convert_data.main(["math", "hub", str(tmp_path / "o.jsonl")])
+
+
+def test_tir_solutions_become_tool_calling_conversations(tmp_path, capsys):
+    solution = ("Let us count with Python.\n\n```python\nprint(sum(range(5)))\n```\n```output\n10\n```\n"
+                "So the sum is $10$; check it:\n```python\nx = 10\nprint(x * 2)\n```\n```output\n20\n```\n"
+                "The answer is $\\boxed{10}$.")
+    rows = [{"problem": "Sum 0..4.", "solution": solution, "messages": []},
+            {"problem": "No print.", "solution": "```python\n1 + 1\n```\n```output\n2\n```\n$\\boxed{2}$"},
+            {"problem": "Sum 0..4.", "solution": solution}]
+    src, out = write(tmp_path / "tir.jsonl", rows), tmp_path / "sft.jsonl"
+    convert_data.main(["tir", str(src), str(out), "--decontaminate"])
+    (conversation,) = load_conversations(out)  # renders in our protocol
+    call = {"function": {"name": "execute_python_code_with_standard_io", "arguments": {"code": "x = 10\nprint(x * 2)"}}}
+    assert conversation == [
+        {"role": "user", "content": "Sum 0..4."},
+        {"role": "assistant", "content": "Let us count with Python.</reason>\n", "tool_calls": [
+            {"function": {"name": "execute_python_code_with_standard_io", "arguments": {"code": "print(sum(range(5)))"}}}]},
+        {"role": "tool", "content": "10"},
+        {"role": "assistant", "content": "So the sum is $10$; check it:</reason>\n", "tool_calls": [call]},
+        {"role": "tool", "content": "20"},
+        {"role": "assistant", "content": "The answer is $\\boxed{10}$.</reason>\n<answer>\\boxed{10}</answer>"}]
+    assert capsys.readouterr().out.strip().endswith("1 conversations from 3 rows; dropped repeats 1, no usable code 1, "
+                                                    "in eval sets 0")
