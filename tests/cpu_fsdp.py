@@ -6,7 +6,14 @@ torch's FSDP2 itself shards and gathers over gloo.
 FSDP with the plugin `accelerate launch` builds from the config file (its FSDP_* variables). Accelerate's own FSDP2
 code then runs on CPU processes: `fully_shard` of each decoder layer at `prepare`, rank 0's weights broadcast to the
 others (low-memory loading), sharded checkpoints, the full state dict for saving. It writes Accelerate's shared
-state: a newer Accelerate may need a change here, which the tests using it would show by failing."""
+state: a newer Accelerate may need a change here, which the tests using it would show by failing.
+
+    accelerate launch --config_file configs/accelerate/fsdp_1node_8gpu.yaml --num_processes 2 \
+        tests/cpu_fsdp.py sft.py configs/tiny/sft.yaml ...        # any entry point, FSDP on CPU processes
+"""
+import runpy
+import sys
+
 import accelerate
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -23,3 +30,9 @@ def enable() -> None:
                 AcceleratorState._shared_state["fsdp_plugin"] = plugin
 
     accelerate.Accelerator = CPUFSDPAccelerator
+
+
+if __name__ == "__main__":
+    enable()
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")

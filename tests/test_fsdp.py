@@ -88,3 +88,23 @@ def test_the_loader_refuses_a_shard_or_a_missing_weight(tiny):
     load_named_weights(model, ((k, v) for k, v in weights.items() if k != "lm_head.weight"))  # tied: once is enough
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, weights[name]), name
+
+
+def test_sft_under_fsdp_saves_the_whole_model_of_one_process(tiny, tmp_path):
+    """sft.py's save under FSDP2 (it wrote DTensor shards through save_pretrained and failed): two ranks with
+    micro-batch 4 match one rank accumulating two micro-batches (as tests/test_sft.py checks for DDP)."""
+    from tiny_task import write_task
+    data = write_task(tmp_path / "data", n_train=4, n_test=2, n_sft=16, workers=1)["sft"]
+    args = [f"model_path={tiny / 'base'}", f"data={data}", "max_steps=2", "lr=3e-3", "batch_size=8",
+            "micro_batch_size=4", "log_every=1", "system_prompt=compact", "user_instruction="]
+    one, two = tmp_path / "one", tmp_path / "two"
+    done = subprocess.run([sys.executable, "sft.py", f"out_dir={one}"] + args, cwd=ROOT, env=ENV,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run(FSDP + ["--main_process_port", "29643", "tests/cpu_fsdp.py", "sft.py", f"out_dir={two}"]
+                          + args, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = (AutoModelForCausalLM.from_pretrained(p / "model").state_dict() for p in (one, two))
+    start = AutoModelForCausalLM.from_pretrained(tiny / "base").state_dict()
+    assert a.keys() == b.keys() and max((a[n] - start[n]).abs().max().item() for n in a) > 1e-3
+    assert all((a[n] - b[n]).abs().max() <= 2e-6 for n in a)
