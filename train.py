@@ -541,14 +541,32 @@ def memory_lines(cfg: TrainConfig, world: int) -> list[str]:
           f"raise vllm_gpu_memory_utilization (the engine's share of the GPU)"] if m["kv_cache_tokens"] < tokens else [])
 
 
+OPTIMIZER_FILES = ("optimizer.bin", "optimizer_0")  # Accelerate's save_state: whole, or sharded (FSDP's DCP folder)
+
+
 def optimizer_file(path: str) -> Path:
-    """optimizer.bin of a checkpoint folder, or of a run folder's latest checkpoint."""
+    """The AdamW state of a checkpoint folder, or of a run folder's latest checkpoint (OPTIMIZER_FILES)."""
     folder = Path(path)
-    if not (folder / "optimizer.bin").is_file() and (folder / "latest").is_file():
+    if not any((folder / f).exists() for f in OPTIMIZER_FILES) and (folder / "latest").is_file():
         folder = latest_checkpoint(folder)
-    if not (folder / "optimizer.bin").is_file():
-        raise SystemExit(f"input error: optimizer_from={path}: no optimizer.bin there or in its latest checkpoint")
-    return folder / "optimizer.bin"
+    for name in OPTIMIZER_FILES:
+        if (folder / name).exists():
+            return folder / name
+    raise SystemExit(f"input error: optimizer_from={path}: no optimizer.bin or optimizer_0/ there or in its "
+                     "latest checkpoint")
+
+
+def load_optimizer(accelerator, model, optimizer, file: Path) -> None:
+    """Another run's AdamW state into the prepared optimizer: under FSDP through Accelerate's loader (each rank
+    reads its shard of a sharded checkpoint), else optimizer.bin."""
+    from accelerate.utils import DistributedType, load_fsdp_optimizer
+    if accelerator.distributed_type == DistributedType.FSDP:
+        load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(file.parent))
+    elif file.name != "optimizer.bin":
+        raise SystemExit(f"input error: optimizer_from: {file} is a sharded FSDP checkpoint; launch with an FSDP "
+                         "Accelerate config to read it")
+    else:
+        optimizer.load_state_dict(torch.load(file, weights_only=False))
 
 
 def load_data(paths: list[str]) -> list[dict]:
@@ -568,7 +586,7 @@ class Run:
 def setup(cfg: TrainConfig):
     """Everything before step 0, in the order that stops on bad input before any expensive work."""
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedType, set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if cfg.torch_threads:
@@ -605,16 +623,16 @@ def setup(cfg: TrainConfig):
         model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
-    if cfg.optimizer_from and start is None:
-        optimizer.load_state_dict(torch.load(optimizer_file(cfg.optimizer_from), weights_only=False))
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] = cfg.lr
     # lr_t = lr * min(1, (t + 1) / warmup_steps): linear warm-up, then constant (report section 4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / max(cfg.warmup_steps, 1)))
-    if acc.distributed_type == "FSDP" and not acc.is_fsdp2:
+    if acc.distributed_type == DistributedType.FSDP and not acc.is_fsdp2:
         raise SystemExit("config error: train.py shards with FSDP2: set fsdp_version: 2 in the Accelerate config "
                          "(configs/accelerate/*.yaml)")
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    if cfg.optimizer_from and start is None:  # after prepare: under FSDP the state is sharded like the model
+        load_optimizer(acc, model, optimizer, optimizer_file(cfg.optimizer_from))
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"], group["initial_lr"] = lr, cfg.lr  # this stage's schedule, not the saved one
     step = 0
     if start is not None:
         step = load_checkpoint(acc, start)["step"]

@@ -46,24 +46,54 @@ def run(cmd, env, port=None):
     return subprocess.run(launch + [str(SCRIPT)] + env.pop("ARGS"), env=env, cwd=ROOT, capture_output=True, text=True)
 
 
-def test_each_fsdp_rank_s_sampler_gets_exactly_the_weights_of_one_process(tiny, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "fsdp"
-    done = run([sys.executable], {**ENV, "ARGS": train_args(tiny, one, 3)})
+@pytest.fixture(scope="module")
+def stage1(tiny, tmp_path_factory):
+    """Three RL steps on one process (no FSDP) and on two FSDP ranks, from the same base model and data."""
+    root = tmp_path_factory.mktemp("stage1")
+    done = run([sys.executable], {**ENV, "ARGS": train_args(tiny, root / "one", 3)})
     assert done.returncode == 0, done.stderr[-3000:]
-    done = run(FSDP, {**ENV, "CPU_FSDP": "1", "ARGS": train_args(tiny, two, 3)}, port=29641)
+    done = run(FSDP, {**ENV, "CPU_FSDP": "1", "ARGS": train_args(tiny, root / "fsdp", 3)}, port=29641)
     assert done.returncode == 0, done.stderr[-3000:]
+    return root / "one", root / "fsdp"
+
+
+def assert_samplers_equal(reference: dict, run_dir: Path) -> None:
+    """Each rank's sampler holds exactly `reference` (max difference 0)."""
+    for rank in (0, 1):
+        sampler = torch.load(run_dir / f"sampler{rank}.pt")
+        assert sampler.keys() == reference.keys()
+        for name in reference:
+            assert torch.equal(sampler[name], reference[name]), (rank, name)
+
+
+def test_each_fsdp_rank_s_sampler_gets_exactly_the_weights_of_one_process(tiny, stage1):
+    one, two = stage1
     assert (two / "checkpoint-3" / "pytorch_model_fsdp_0").is_dir()  # sharded checkpoints: FSDP really ran
     reference = torch.load(one / "sampler0.pt")  # one process, no FSDP: the sampler's copy of the trainer
     start = AutoModelForCausalLM.from_pretrained(tiny / "base").state_dict()
     assert max((reference[k] - start[k]).abs().max().item() for k in reference) > 1e-3  # training moved them
-    for rank in (0, 1):
-        sampler = torch.load(two / f"sampler{rank}.pt")
-        assert sampler.keys() == reference.keys()
-        for name in reference:  # max difference 0: the gathered weights, bit for bit
-            assert torch.equal(sampler[name], reference[name]), (rank, name)
+    assert_samplers_equal(reference, two)  # the gathered weights, bit for bit
     saved = AutoModelForCausalLM.from_pretrained(two / "model").state_dict()  # Accelerate's full state dict
     for name in reference:
         assert torch.equal(saved[name], reference[name]), name
+
+
+def test_stage_2_carries_the_sharded_adamw_state_like_one_process(tiny, stage1, tmp_path):
+    """optimizer_from under FSDP reads the sharded optimizer_0/ (before: "no optimizer.bin", the run stopped)."""
+    one, two = stage1
+    carry = ["resume=never"]
+    done = run([sys.executable], {**ENV, "ARGS": train_args(tiny, tmp_path / "one", 1) + carry
+                                  + [f"optimizer_from={one}"]})
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = run(FSDP, {**ENV, "CPU_FSDP": "1", "ARGS": train_args(tiny, tmp_path / "fsdp", 1) + carry
+                      + [f"optimizer_from={two}"]}, port=29644)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference = torch.load(tmp_path / "one" / "sampler0.pt")
+    fresh = run([sys.executable], {**ENV, "ARGS": train_args(tiny, tmp_path / "fresh", 1) + carry})
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    other = torch.load(tmp_path / "fresh" / "sampler0.pt")
+    assert any(not torch.equal(other[k], reference[k]) for k in reference)  # the carried state matters
+    assert_samplers_equal(reference, tmp_path / "fsdp")
 
 
 def test_a_skipped_gather_is_caught_by_the_hand_off_check(tiny, tmp_path):
