@@ -19,7 +19,9 @@ term checked by hand. GB = 10^9 bytes. The estimate follows what train.py does:
   bf16 copy and a KV buffer per slot.
 Not counted: the CUDA context and allocator fragmentation (a few GB), NCCL buffers, the code tool's processes.
 """
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 GB = 1e9
 MASTER_BYTES = 4            # fp32 master weights, gradients and AdamW moments (2 per parameter)
@@ -144,3 +146,56 @@ def engine_layout(world: int, gpus_per_node: int, seed: int, tensor_parallel: in
     device cuda:(rank % gpus_per_node)), seeded seed + rank so ranks draw different rollouts."""
     return [{"rank": r, "node": r // gpus_per_node, "device": f"cuda:{r % gpus_per_node}", "seed": seed + r,
              "tp": tensor_parallel} for r in range(world)]
+
+
+# ============================================================================ the dry-run plan's lines
+def engine_lines(cfg, world: int) -> list[str]:
+    """The dry-run plan's lines for the per-rank engines (`engine_layout`: first ranks, last rank), from a
+    train.TrainConfig."""
+    if cfg.sampler != "vllm":
+        return [f"engines                none: HFSampler decodes on each rank's own device, seed {cfg.seed} + rank"]
+    layout = engine_layout(world, cfg.gpus_per_node, cfg.seed, cfg.vllm_tensor_parallel_size)
+    shown = layout[:3] + ([{"rank": "..."}] if world > 4 else []) + layout[3:][-1:]
+    per_node = cfg.gpus_per_node
+    return [f"engines                one vLLM engine per rank, TP {cfg.vllm_tensor_parallel_size}, on the rank's own "
+            f"GPU: node = rank // {per_node}, device cuda:(rank % {per_node}), seed {cfg.seed} + rank",
+            "                       " + "; ".join("..." if e["rank"] == "..." else
+                                                  f"rank {e['rank']}: node {e['node']} {e['device']} seed {e['seed']}"
+                                                  for e in shown)]
+
+
+def memory_lines(cfg, world: int) -> list[str]:
+    """The dry-run plan's lines for the memory estimate per GPU (`memory_per_gpu`), from a train.TrainConfig, for
+    the model_path's config.json or the named public shape (model_shape)."""
+    config = Path(cfg.model_path) / "config.json"
+    if config.is_file():
+        shape, name = Shape.from_config(json.loads(config.read_text())), str(config)
+    elif cfg.model_shape in PUBLIC_CONFIGS:
+        shape, name = Shape.from_config(PUBLIC_CONFIGS[cfg.model_shape]), f"{cfg.model_shape} (public config)"
+    else:
+        known = ", ".join(PUBLIC_CONFIGS)
+        return [f"memory per GPU         no estimate: {config} does not exist yet; give model_shape= ({known})"]
+    shard, tokens = min(world, cfg.gpus_per_node), cfg.max_prompt_tokens + cfg.max_response_tokens
+    m = memory_per_gpu(shape, shard=shard, fsdp=True, micro_batch=cfg.micro_batch_size, seq_tokens=tokens,
+                       gradient_checkpointing=cfg.gradient_checkpointing, sampler=cfg.sampler,
+                       gpu_gb=cfg.gpu_memory_gb, engine_fraction=cfg.vllm_gpu_memory_utilization,
+                       engine_tp=cfg.vllm_tensor_parallel_size, hf_slots=cfg.rollout_batch_size)
+    gpu = cfg.gpu_memory_gb
+
+    def fits(total: float) -> str:
+        return f"{total:.1f} of {gpu:g} GB" + ("" if total <= gpu else "  OVER: does not fit")
+    return [
+        f"model                  {name}: {shape.params / 1e9:.2f}B parameters, {shape.layers} layers, hidden "
+        f"{shape.hidden}, vocab {shape.vocab:,}",
+        f"memory per GPU (GB)    an estimate (memory_plan.py): FSDP over {shard} GPUs, fp32 master weights, "
+        f"micro-batch {cfg.micro_batch_size} x {tokens:,} tokens, checkpointing {cfg.gradient_checkpointing}",
+        f"  while sampling       weights {m['weights']:.1f} + AdamW {m['adamw']:.1f} + sampler "
+        f"{m['sampler_weights']:.1f} weights + {m['kv_cache']:.1f} KV cache ({m['kv_cache_tokens']:,.0f} tokens) + "
+        f"{m['sampler_other']:.1f} = {fits(m['rollout_peak'])}",
+        f"  while updating       weights {m['weights']:.1f} + gradients {m['grads']:.1f} + AdamW {m['adamw']:.1f} + "
+        f"gathered bf16 {m['gathered']:.1f} + activations {m['activations']:.1f} + logits {m['logits']:.1f}"
+        + (f" + sampler copy {m['sampler_weights']:.1f}" if cfg.sampler == "hf" else " (engine asleep)")
+        + f" = {fits(m['update_peak'])}",
+    ] + ([f"  KV CACHE TOO SMALL    {m['kv_cache_tokens']:,.0f} tokens hold less than one rollout of {tokens:,}: "
+          "raise vllm_gpu_memory_utilization (the engine's share of the GPU)"]
+         if m["kv_cache_tokens"] < tokens else [])

@@ -45,7 +45,7 @@ from code_tool import CodeTool
 from config import format_config, parse_cli, save_config
 from data import check_model_path, load_problems
 from hf_sampler import HFSampler
-from memory_plan import PUBLIC_CONFIGS, Shape, engine_layout, memory_per_gpu
+from memory_plan import engine_lines, memory_lines
 from plots import plot_curves
 from grpo_roc import (drop_equal_groups, group_advantages, penalty_total, policy_loss, resample_on_correct,
                       sequence_mean_policy_loss)
@@ -73,9 +73,9 @@ class TrainConfig:
     resume: str = "auto"                  # auto: continue from out_dir's latest checkpoint; never: refuse one; or a path
     dry_run: bool = False                 # print the resolved plan and exit without loading a model
     world_size: int = 0                   # for dry_run only: plan for this many processes (0: the launcher's)
-    gpus_per_node: int = 8                # for dry_run only: GPUs per node (FSDP shards within a node, as the launch configs)
+    gpus_per_node: int = 8                # for dry_run only: GPUs per node (the launch configs shard within one)
     gpu_memory_gb: float = 141.0          # for dry_run only: memory of one GPU (H200: 141 GB, MI300X: 192 GB)
-    model_shape: str = ""                 # for dry_run only, when model_path has no config.json yet: qwen3-0.6b | qwen3-1.7b | qwen3-14b
+    model_shape: str = ""                 # for dry_run only, before model_path exists: qwen3-0.6b | 1.7b | 14b
     # --- GRPO-RoC (report section 4)
     prompts_per_step: int = 512           # B (over all ranks)
     rollouts_per_prompt: int = 32         # 2G sampled per prompt
@@ -489,56 +489,7 @@ def print_plan(cfg: TrainConfig, world: int) -> None:
         f"steps                  {cfg.steps} (stage {cfg.stage}), lr {cfg.lr} after {cfg.warmup_steps} warm-up steps",
         f"sampler                {cfg.sampler}; data {cfg.data}; out {cfg.out_dir}",
     ]
-    print("\n".join(lines + engine_lines(cfg, world) + memory_lines(cfg, world)))
-
-
-def engine_lines(cfg: TrainConfig, world: int) -> list[str]:
-    """The plan's per-rank sampler layout (memory_plan.engine_layout): first ranks, last rank."""
-    if cfg.sampler != "vllm":
-        return [f"engines                none: HFSampler decodes on each rank's own device, seed {cfg.seed} + rank"]
-    layout = engine_layout(world, cfg.gpus_per_node, cfg.seed, cfg.vllm_tensor_parallel_size)
-    shown = layout[:3] + ([{"rank": "..."}] if world > 4 else []) + layout[3:][-1:]
-    return [f"engines                one vLLM engine per rank, TP {cfg.vllm_tensor_parallel_size}, on the rank's own "
-            f"GPU: node = rank // {cfg.gpus_per_node}, device cuda:(rank % {cfg.gpus_per_node}), seed {cfg.seed} + rank",
-            "                       " + "; ".join("..." if e["rank"] == "..." else
-                                                  f"rank {e['rank']}: node {e['node']} {e['device']} seed {e['seed']}"
-                                                  for e in shown)]
-
-
-def memory_lines(cfg: TrainConfig, world: int) -> list[str]:
-    """The plan's memory estimate per GPU (memory_plan.memory_per_gpu), for the model_path's config.json or the
-    named public shape."""
-    config = Path(cfg.model_path) / "config.json"
-    if config.is_file():
-        shape, name = Shape.from_config(json.loads(config.read_text())), str(config)
-    elif cfg.model_shape in PUBLIC_CONFIGS:
-        shape, name = Shape.from_config(PUBLIC_CONFIGS[cfg.model_shape]), f"{cfg.model_shape} (public config)"
-    else:
-        known = ", ".join(PUBLIC_CONFIGS)
-        return [f"memory per GPU         no estimate: {config} does not exist yet; give model_shape= ({known})"]
-    shard, tokens = min(world, cfg.gpus_per_node), cfg.max_prompt_tokens + cfg.max_response_tokens
-    m = memory_per_gpu(shape, shard=shard, fsdp=True, micro_batch=cfg.micro_batch_size, seq_tokens=tokens,
-                       gradient_checkpointing=cfg.gradient_checkpointing, sampler=cfg.sampler,
-                       gpu_gb=cfg.gpu_memory_gb, engine_fraction=cfg.vllm_gpu_memory_utilization,
-                       engine_tp=cfg.vllm_tensor_parallel_size, hf_slots=cfg.rollout_batch_size)
-    gpu = cfg.gpu_memory_gb
-
-    def fits(total: float) -> str:
-        return f"{total:.1f} of {gpu:g} GB" + ("" if total <= gpu else "  OVER: does not fit")
-    return [
-        f"model                  {name}: {shape.params / 1e9:.2f}B parameters, {shape.layers} layers, hidden "
-        f"{shape.hidden}, vocab {shape.vocab:,}",
-        f"memory per GPU (GB)    an estimate (memory_plan.py): FSDP over {shard} GPUs, fp32 master weights, "
-        f"micro-batch {cfg.micro_batch_size} x {tokens:,} tokens, checkpointing {cfg.gradient_checkpointing}",
-        f"  while sampling       weights {m['weights']:.1f} + AdamW {m['adamw']:.1f} + sampler {m['sampler_weights']:.1f}"
-        f" weights + {m['kv_cache']:.1f} KV cache ({m['kv_cache_tokens']:,.0f} tokens) + {m['sampler_other']:.1f} "
-        f"= {fits(m['rollout_peak'])}",
-        f"  while updating       weights {m['weights']:.1f} + gradients {m['grads']:.1f} + AdamW {m['adamw']:.1f} + "
-        f"gathered bf16 {m['gathered']:.1f} + activations {m['activations']:.1f} + logits {m['logits']:.1f}"
-        + (f" + sampler copy {m['sampler_weights']:.1f}" if cfg.sampler == "hf" else " (engine asleep)")
-        + f" = {fits(m['update_peak'])}",
-    ] + ([f"  KV CACHE TOO SMALL    {m['kv_cache_tokens']:,.0f} tokens hold less than one rollout of {tokens:,}: "
-          f"raise vllm_gpu_memory_utilization (the engine's share of the GPU)"] if m["kv_cache_tokens"] < tokens else [])
+    print("\n".join(lines + engine_lines(cfg, world) + memory_lines(cfg, world)))  # memory_plan.py
 
 
 OPTIMIZER_FILES = ("optimizer.bin", "optimizer_0")  # Accelerate's save_state: whole, or sharded (FSDP's DCP folder)

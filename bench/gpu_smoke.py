@@ -190,8 +190,9 @@ def report(work: Path, config: dict, sizes: dict, gpu: bool, tool: str, wall: fl
     problems = []
     for row, s in zip(rows, smoke["steps"]):
         peaks = (f"{s['rollout_peak_gb']:16.1f}  {s['update_peak_gb']:6.1f}" if gpu else f"{'n/a':>16}  {'n/a':>6}")
-        print(f"{row['step']:4d}  {s['rollout_tokens'] / s['rollout_s']:13,.0f}  {s['update_tokens'] / s['update_s']:12,.0f}"
-              f"  {row['perf/step_s']:6.1f}  {row['loss/policy']:9.2e}  {row['loss/grad_norm']:9.3g}  {peaks}")
+        rollout, update = s["rollout_tokens"] / s["rollout_s"], s["update_tokens"] / s["update_s"]
+        print(f"{row['step']:4d}  {rollout:13,.0f}  {update:12,.0f}  {row['perf/step_s']:6.1f}  "
+              f"{row['loss/policy']:9.2e}  {row['loss/grad_norm']:9.3g}  {peaks}")
         if not (math.isfinite(row["loss/policy"]) and math.isfinite(row["loss/grad_norm"])):
             problems.append(f"step {row['step']}: non-finite loss or gradient norm")
         if s["update_tokens"] == 0:

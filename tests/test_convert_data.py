@@ -88,13 +88,15 @@ def test_tir_solutions_become_tool_calling_conversations(tmp_path, capsys):
     src, out = write(tmp_path / "tir.jsonl", rows), tmp_path / "sft.jsonl"
     convert_data.main(["tir", str(src), str(out), "--decontaminate"])
     (conversation,) = load_conversations(out)  # renders in our protocol
-    call = {"function": {"name": "execute_python_code_with_standard_io", "arguments": {"code": "x = 10\nprint(x * 2)"}}}
+    def call(code):
+        return [{"function": {"name": "execute_python_code_with_standard_io", "arguments": {"code": code}}}]
     assert conversation == [
         {"role": "user", "content": "Sum 0..4."},
-        {"role": "assistant", "content": "Let us count with Python.</reason>\n", "tool_calls": [
-            {"function": {"name": "execute_python_code_with_standard_io", "arguments": {"code": "print(sum(range(5)))"}}}]},
+        {"role": "assistant", "content": "Let us count with Python.</reason>\n",
+         "tool_calls": call("print(sum(range(5)))")},
         {"role": "tool", "content": "10"},
-        {"role": "assistant", "content": "So the sum is $10$; check it:</reason>\n", "tool_calls": [call]},
+        {"role": "assistant", "content": "So the sum is $10$; check it:</reason>\n",
+         "tool_calls": call("x = 10\nprint(x * 2)")},
         {"role": "tool", "content": "20"},
         {"role": "assistant", "content": "The answer is $\\boxed{10}$.</reason>\n<answer>\\boxed{10}</answer>"}]
     assert capsys.readouterr().out.strip().endswith("1 conversations from 3 rows; dropped repeats 1, no usable code 1, "
