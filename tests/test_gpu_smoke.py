@@ -1,5 +1,5 @@
 """bench/gpu_smoke.py cannot rot: its CPU version (--tiny) runs the whole check in CI, and its verdict fails on a
-non-finite loss. The GPU version is the same script without --tiny; it has not run here (no GPU)."""
+non-finite loss. The GPU version is the same script without --tiny; the last test runs it where a GPU is present."""
 import json
 import os
 import subprocess
@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -38,3 +39,12 @@ def test_the_verdict_fails_on_a_non_finite_loss(tmp_path, capsys):
     with pytest.raises(SystemExit, match="FAIL: step 2: non-finite loss or gradient norm"):
         gpu_smoke.report(tmp_path, gpu_smoke.TINY_CONFIG, gpu_smoke.SIZES["tiny"], False, "tool ok", 1.0)
     assert "gpu smoke: PASS" not in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the smoke check at Qwen3-0.6B's shape "
+                    "(bf16, FSDP2 on one GPU, CUDA memory figures) runs only there")
+def test_the_gpu_version_passes_within_its_time_limit():
+    done = subprocess.run([sys.executable, "bench/gpu_smoke.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=gpu_smoke.TIME_LIMIT_S + 60)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.strip().endswith("gpu smoke: PASS")
