@@ -217,7 +217,9 @@ def log_step(acc: Accelerator, metrics_path: Path, row: dict, bar) -> None:
 def save_model(acc: Accelerator, model, tokenizer, out: Path) -> None:
     """save_pretrained of the unwrapped model and the tokenizer, once, after every rank has finished."""
     acc.wait_for_everyone()
-    acc.unwrap_model(model).save_pretrained(out, is_main_process=acc.is_main_process, save_function=acc.save)
+    state = acc.get_state_dict(model)  # under FSDP: the whole weights, gathered to the main process (all ranks join)
+    acc.unwrap_model(model).save_pretrained(out, is_main_process=acc.is_main_process, save_function=acc.save,
+                                            state_dict=state)
     if acc.is_main_process:
         tokenizer.save_pretrained(out)
 

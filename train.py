@@ -12,7 +12,7 @@ Each step, in labelled phases (the banners in `train_step`):
   6. advantages per group of G                                      }
   7. old log-probs under the policy before the update
   8. policy update: mini-batches of micro-batches, gradient accumulation, the exact global token normaliser
-  9. hand the new weights to the sampler, and verify they arrived (checksum)
+  9. hand the new weights to the sampler, and verify they arrived (log-probs of a fixed sequence, both sides)
  10. log (metrics.jsonl, tqdm, trackers) and checkpoint
 A stage is one invocation; the multi-stage recipe is a sequence of them (configs/*/stage{1,2,3}.yaml), each starting
 from the previous stage's `model/`. Stage 3's data is the problems the stage-2 policy did not solve k of k times
@@ -45,13 +45,14 @@ from code_tool import CodeTool
 from config import check_ranges, format_config, parse_cli, save_config
 from data import check_model_path, load_problems
 from hf_sampler import HFSampler
+from memory_plan import engine_lines, memory_lines
 from plots import plot_curves
 from grpo_roc import (drop_equal_groups, group_advantages, penalty_total, policy_loss, resample_on_correct,
                       sequence_mean_policy_loss)
 from protocol import chat_format
 from reward import check_many, extract_answer
 from rollout import rollout, rollout_sums
-from sampler import VLLMSampler, model_checksum
+from sampler import HANDOFF_PROBE_TOKENS, HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs
 
 USAGE = """One RL stage with GRPO-RoC.
   python train.py [CONFIG.yaml ...] [key=value ...]
@@ -72,6 +73,9 @@ class TrainConfig:
     resume: str = "auto"                  # auto: continue from out_dir's latest checkpoint; never: refuse one; or a path
     dry_run: bool = False                 # print the resolved plan and exit without loading a model
     world_size: int = 0                   # for dry_run only: plan for this many processes (0: the launcher's)
+    gpus_per_node: int = 8                # for dry_run only: GPUs per node (the launch configs shard within one)
+    gpu_memory_gb: float = 141.0          # for dry_run only: memory of one GPU (H200: 141 GB, MI300X: 192 GB)
+    model_shape: str = ""                 # for dry_run only, before model_path exists: qwen3-0.6b | 1.7b | 14b
     # --- GRPO-RoC (report section 4)
     prompts_per_step: int = 512           # B (over all ranks)
     rollouts_per_prompt: int = 32         # 2G sampled per prompt
@@ -89,11 +93,13 @@ class TrainConfig:
     top_p: float = 1.0
     system_prompt: str = "default"        # "default", a preset name ("compact") or the text itself
     user_instruction: str = "Put the final answer inside <answer> </answer> as \\boxed{...}."
-    sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU)
+    sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU; CPU build too)
     rollout_batch_size: int = 64          # requests decoded together, hf sampler slots
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
-    vllm_gpu_memory_utilization: float = 0.5
-    vllm_tensor_parallel_size: int = 1
+    vllm_gpu_memory_utilization: float = 0.5  # vLLM's share of GPU memory (its KV cache; weights sleep in updates)
+    vllm_tensor_parallel_size: int = 1    # only 1: one single-device engine per rank
+    vllm_dtype: str = "bfloat16"          # the engine's weights and activations (float32 for the tiny CPU runs)
+    vllm_enforce_eager: bool = False      # no CUDA graphs / torch.compile (faster start; the CPU build's tests)
     # --- code tool (report section 5)
     tool_workers: int = 4
     tool_timeout: float = 4.0             # seconds per call (public code: 4 s)
@@ -162,6 +168,9 @@ def validate(cfg: TrainConfig, world: int) -> None:
         problems.append(f"loss_agg must be one of {sorted(LOSSES)}, got {cfg.loss_agg!r}")
     if cfg.sampler not in ("hf", "vllm"):
         problems.append(f"sampler must be hf or vllm, got {cfg.sampler!r}")
+    if cfg.vllm_tensor_parallel_size != 1:
+        problems.append(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size}: only 1 is supported (one "
+                        "engine per rank; tensor parallelism would need a rank group to submit the same requests)")
     if not cfg.data:
         problems.append("data: give at least one JSONL file of problems")
     if problems:
@@ -258,6 +267,57 @@ def rank_share(items: list, accelerator) -> list:
     return items[accelerator.process_index * n:(accelerator.process_index + 1) * n]
 
 
+def is_sharded(model) -> bool:
+    """True when FSDP has split the policy's parameters over ranks (DTensors): no rank holds the whole model."""
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def gathered_weights(model, device):
+    """(name, full tensor) for each parameter and persistent buffer, one at a time. Under FSDP each parameter is
+    all-gathered when it is reached (a collective: every rank iterates, in the same order) and the consumer drops
+    it before the next, so at most one unsharded parameter exists at once, whatever the model's size (TRL and verl
+    stream FSDP weights into vLLM the same way). Tied weights come once (`named_parameters` skips duplicates)."""
+    from torch.distributed.tensor import DTensor
+    persistent = model.state_dict().keys()  # communication-free under FSDP2: local shards
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name in persistent:
+            if isinstance(t, DTensor):
+                t = t.to(device).full_tensor()  # .to: parameters offloaded to CPU gather on the device
+            yield name.replace("_checkpoint_wrapped_module.", ""), t.detach()
+
+
+def sampler_policy(cfg, accelerator, model):
+    """The model HFSampler decodes with: the trainer's own object when this rank holds all of it; under FSDP a full
+    copy of its own (decoding on the sharded model would need every rank in every forward), in the checkpoint's
+    dtype, which `hand_off` fills with the trainer's weights. vLLM loads its own copy."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    policy = accelerator.unwrap_model(model)
+    if cfg.sampler != "hf" or not is_sharded(policy):
+        return policy
+    # Built from the config, not loaded: under FSDP's low-memory loading only rank 0 reads the checkpoint.
+    config = AutoConfig.from_pretrained(cfg.model_path)
+    with torch.device(accelerator.device):
+        copy = AutoModelForCausalLM.from_config(config, torch_dtype=checkpoint_dtype(config))
+    copy.generation_config = GenerationConfig.from_model_config(config)
+    if (Path(cfg.model_path) / "generation_config.json").is_file():
+        copy.generation_config = GenerationConfig.from_pretrained(cfg.model_path)
+    return copy
+
+
+def checkpoint_dtype(config) -> torch.dtype:
+    """The dtype a checkpoint was saved in (config.json's `dtype`, `torch_dtype` before transformers 5)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def hand_off(accelerator, model, sampler) -> None:
+    """Phase 9: the trainer's weights into the sampler: the module itself where this rank holds all of it, else
+    the gathered parameters, streamed."""
+    policy = accelerator.unwrap_model(model)
+    sampler.update_weights(gathered_weights(policy, accelerator.device) if is_sharded(policy) else policy)
+
+
 # ============================================================================ the policy update (phases 7-8)
 def micro_batches(items: list, size: int, count: int) -> list[list]:
     """Split `items` into exactly `count` chunks of at most `size` (trailing chunks may be empty)."""
@@ -275,13 +335,27 @@ def make_batch(chunk: list, dummy, pad_id: int) -> tuple[dict, torch.Tensor]:
     return batch, torch.zeros(1)
 
 
+def to_device(item: tuple[dict, torch.Tensor], device) -> tuple[dict, torch.Tensor]:
+    """A (batch, advantages) pair from make_batch, on the model's device."""
+    batch, adv = item
+    return {k: v.to(device) for k, v in batch.items()}, adv.to(device)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a tensor that FSDP may hand back as a DTensor (the gradient norm)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, cfg, pad_id: int) -> dict:
     """Phases 7-8 on this rank's kept [(trajectory, advantage)]. Returns metrics as {name: (sum, count)}."""
     world, size = accelerator.num_processes, cfg.micro_batch_size
     # Every rank runs the same number of micro-batches (the largest any rank needs).
     n_micro = max(int(all_max(accelerator, math.ceil(len(kept) / size))), 1)
     chunks = micro_batches(kept, size, n_micro)
-    batches = [make_batch(c, dummy, pad_id) for c in chunks]
+    batches = [to_device(make_batch(c, dummy, pad_id), accelerator.device) for c in chunks]
+    # Under FSDP, skipping the gradient sync would keep a whole unsharded gradient on every GPU until the last
+    # micro-batch; instead each micro-batch's gradient is reduce-scattered into the shards as it comes.
+    sync_each = is_sharded(model)
     # Phase 7: old log-probs under the policy before this step's first update.
     model.eval()
     with torch.no_grad():
@@ -300,7 +374,7 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
         loss_sum = 0.0
         for j, i in enumerate(ids):
             (batch, adv), last = batches[i], j == len(ids) - 1
-            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            with contextlib.nullcontext() if last or sync_each else accelerator.no_sync(model):
                 logp = token_logprobs(model, batch, cfg.temperature)
                 loss, metrics = LOSSES[cfg.loss_agg](logp, old[i], adv, batch["loss_mask"], clip_low=cfg.clip_low,
                                                      clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, **norm)
@@ -316,7 +390,7 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
         optimizer.zero_grad(set_to_none=True)
         # Each rank adds its share; reduce_sums divides the global sum by updates_per_step.
         _add(sums, "policy", loss_sum, 1.0 / world)
-        _add(sums, "grad_norm", float(grad_norm) / world, 1.0 / world)
+        _add(sums, "grad_norm", float(full(grad_norm)) / world, 1.0 / world)
     return sums
 
 
@@ -366,12 +440,8 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
                                                       list(zip(kept, adv)), trajs[0], cfg, run.pad_id).items()}
     t_update = time.perf_counter() - t1
     # ---------------------------------------------------------------- 9. hand the new weights to the sampler
-    policy = acc.unwrap_model(run.model)
-    run.sampler.update_weights(policy)
-    ours, theirs = model_checksum(policy), run.sampler.weights_checksum()
-    # Exact for a sampler sharing or copying fp32 weights; a bf16 engine copy agrees to about 3 digits.
-    if not (ours == theirs if cfg.sampler == "hf" else abs(ours - theirs) <= 1e-3 * max(abs(ours), 1.0)):
-        raise RuntimeError(f"the sampler's weights differ from the trainer's after the hand-off: {theirs} vs {ours}")
+    hand_off(acc, run.model, run.sampler)
+    run.handoff = verify_handoff(run, f"after step {step + 1}", run.handoff)
     # ---------------------------------------------------------------- statistics for the log
     sums.update({f"rollout/{k}": v for k, v in rollout_sums(trajs, rewards).items()})
     kept_pos = [t for t in kept if t.reward > 0]
@@ -408,6 +478,18 @@ def held_out_eval(cfg: TrainConfig, run) -> dict:
             "eval/tool_calls_mean": stats["tool_calls_mean"], "eval/truncated_frac": stats["truncated_frac"]}
 
 
+def verify_handoff(run, when: str, previous=None) -> tuple:
+    """Phase 9's check: the sampler's log-probs of the probe sequence against the trainer's own forward pass
+    (sampler.check_handoff); a sampler left with other weights stops the run with one line. Returns this check's
+    (sampler, trainer) log-probs, the `previous` of the next check."""
+    pair = (torch.tensor(run.sampler.score(run.probe)),
+            sequence_logprobs(run.accelerator.unwrap_model(run.model), run.probe))
+    problem = check_handoff(*pair, HANDOFF_TOLERANCE[run.sampler.dtype], previous)
+    if problem:
+        raise SystemExit(f"hand-off error {when}: {problem}")
+    return pair
+
+
 # ============================================================================ set-up, logging, checkpoints
 def print_plan(cfg: TrainConfig, world: int) -> None:
     """The resolved plan, without loading a model (dry_run=true): check a 64-GPU config on a laptop."""
@@ -427,17 +509,35 @@ def print_plan(cfg: TrainConfig, world: int) -> None:
         f"steps                  {cfg.steps} (stage {cfg.stage}), lr {cfg.lr} after {cfg.warmup_steps} warm-up steps",
         f"sampler                {cfg.sampler}; data {cfg.data}; out {cfg.out_dir}",
     ]
-    print("\n".join(lines))
+    print("\n".join(lines + engine_lines(cfg, world) + memory_lines(cfg, world)))  # memory_plan.py
+
+
+OPTIMIZER_FILES = ("optimizer.bin", "optimizer_0")  # Accelerate's save_state: whole, or sharded (FSDP's DCP folder)
 
 
 def optimizer_file(path: str) -> Path:
-    """optimizer.bin of a checkpoint folder, or of a run folder's latest checkpoint."""
+    """The AdamW state of a checkpoint folder, or of a run folder's latest checkpoint (OPTIMIZER_FILES)."""
     folder = Path(path)
-    if not (folder / "optimizer.bin").is_file() and (folder / "latest").is_file():
+    if not any((folder / f).exists() for f in OPTIMIZER_FILES) and (folder / "latest").is_file():
         folder = latest_checkpoint(folder)
-    if not (folder / "optimizer.bin").is_file():
-        raise SystemExit(f"input error: optimizer_from={path}: no optimizer.bin there or in its latest checkpoint")
-    return folder / "optimizer.bin"
+    for name in OPTIMIZER_FILES:
+        if (folder / name).exists():
+            return folder / name
+    raise SystemExit(f"input error: optimizer_from={path}: no optimizer.bin or optimizer_0/ there or in its "
+                     "latest checkpoint")
+
+
+def load_optimizer(accelerator, model, optimizer, file: Path) -> None:
+    """Another run's AdamW state into the prepared optimizer: under FSDP through Accelerate's loader (each rank
+    reads its shard of a sharded checkpoint), else optimizer.bin."""
+    from accelerate.utils import DistributedType, load_fsdp_optimizer
+    if accelerator.distributed_type == DistributedType.FSDP:
+        load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(file.parent))
+    elif file.name != "optimizer.bin":
+        raise SystemExit(f"input error: optimizer_from: {file} is a sharded FSDP checkpoint; launch with an FSDP "
+                         "Accelerate config to read it")
+    else:
+        optimizer.load_state_dict(torch.load(file, weights_only=False))
 
 
 def load_data(paths: list[str]) -> list[dict]:
@@ -457,7 +557,7 @@ class Run:
 def setup(cfg: TrainConfig):
     """Everything before step 0, in the order that stops on bad input before any expensive work."""
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedType, set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if cfg.torch_threads:
@@ -487,37 +587,53 @@ def setup(cfg: TrainConfig):
         if cfg.report_to:
             acc.init_trackers("rstar2", config={k: str(v) for k, v in vars(cfg).items()})
     set_seed(cfg.seed + acc.process_index)  # rollouts differ per rank; everything else is seeded explicitly
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype="auto")
+    # fp32 master weights whatever the checkpoint's dtype: AdamW's steps at lr 1e-6 are far below bf16's
+    # resolution (they would round away); mixed_precision=bf16 computes in bf16.
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype=torch.float32)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
-    if cfg.optimizer_from and start is None:
-        optimizer.load_state_dict(torch.load(optimizer_file(cfg.optimizer_from), weights_only=False))
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] = cfg.lr
     # lr_t = lr * min(1, (t + 1) / warmup_steps): linear warm-up, then constant (report section 4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / max(cfg.warmup_steps, 1)))
+    if acc.distributed_type == DistributedType.FSDP and not acc.is_fsdp2:
+        raise SystemExit("config error: train.py shards with FSDP2: set fsdp_version: 2 in the Accelerate config "
+                         "(configs/accelerate/*.yaml)")
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    if cfg.optimizer_from and start is None:  # after prepare: under FSDP the state is sharded like the model
+        load_optimizer(acc, model, optimizer, optimizer_file(cfg.optimizer_from))
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"], group["initial_lr"] = lr, cfg.lr  # this stage's schedule, not the saved one
     step = 0
     if start is not None:
         step = load_checkpoint(acc, start)["step"]
         if acc.is_main_process:
             truncate_log(out / "metrics.jsonl", step)
             print(f"resumed from {start} at step {step}")
-    sampler = make_sampler(cfg, acc.unwrap_model(model), tokenizer)
-    tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
-                    max_output_chars=cfg.tool_max_output_chars)
-    return step, Run(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
-                     tool=tool, tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems,
-                     pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out)
+    sampler = make_sampler(cfg, sampler_policy(cfg, acc, model), tokenizer)
+    # The sampler starts from the trainer's weights (a resumed checkpoint's too), checked before any rollout.
+    hand_off(acc, model, sampler)
+    probe = tokenizer.encode(fmt.prompt(problems[0]["problem"]), add_special_tokens=False)[:HANDOFF_PROBE_TOKENS]
+    run = Run(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+              tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems, probe=probe,
+              pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out)
+    run.handoff = verify_handoff(run, "at the start")
+    run.tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
+                        max_output_chars=cfg.tool_max_output_chars)
+    return step, run
 
 
 def make_sampler(cfg: TrainConfig, model, tokenizer):
     if cfg.sampler == "vllm":
-        return VLLMSampler(cfg.model_path, tokenizer, seed=cfg.seed,
+        from accelerate import PartialState
+        state = PartialState()
+        # One engine per rank: under torchrun / accelerate launch, vLLM's external launcher gives each rank's
+        # engine its own device (LOCAL_RANK); sampling seeds differ per rank.
+        launcher = {"distributed_executor_backend": "external_launcher"} if state.num_processes > 1 else {}
+        return VLLMSampler(cfg.model_path, tokenizer, seed=cfg.seed + state.process_index, dtype=cfg.vllm_dtype,
                            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                           tensor_parallel_size=cfg.vllm_tensor_parallel_size)
+                           tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                           enforce_eager=cfg.vllm_enforce_eager, **launcher)
     return HFSampler(model, tokenizer, batch_size=cfg.rollout_batch_size)
 
 
@@ -557,6 +673,8 @@ def main(argv=None) -> None:
     finally:
         run.tool.close()
         bar.close()
+        if hasattr(run.sampler, "close"):
+            run.sampler.close()  # vLLM's process groups go before the launcher's (end_training)
     acc.wait_for_everyone()
     state = acc.get_state_dict(run.model)
     if acc.is_main_process:

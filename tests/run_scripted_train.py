@@ -1,6 +1,9 @@
 """`python tests/run_scripted_train.py [train.py args]`: train.py's real entry point with the scripted policy
 (tests/scripted_policy.py), for tests that need a separate process (SIGKILL, torchrun). SCRIPTED_RNG=1 makes the
-policy's answers depend on the global torch RNG. Each rank writes rank{R}.json (world size, weight checksum)."""
+policy's answers depend on the global torch RNG; CPU_FSDP=1 lets Accelerate's FSDP run on CPU processes
+(tests/cpu_fsdp.py); SKIP_GATHER=1 makes the hand-off skip the gather of a sharded trainer, so the sampler's own
+copy never receives the weights (what the hand-off check must catch). Each rank writes rank{R}.json (world size, weight checksum) and sampler{R}.pt (the weights
+its sampler holds at the end)."""
 import json
 import os
 import sys
@@ -9,11 +12,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
+
 import train  # noqa: E402
-from sampler import model_checksum  # noqa: E402
-from scripted_policy import ScriptedSampler  # noqa: E402
+from scripted_policy import ScriptedSampler, weights_sum  # noqa: E402
 
 if __name__ == "__main__":
+    if os.environ.get("CPU_FSDP") == "1":
+        import cpu_fsdp
+        cpu_fsdp.enable()
+    if os.environ.get("SKIP_GATHER") == "1":
+        real_hand_off = train.hand_off
+        train.hand_off = lambda acc, model, sampler: (None if train.is_sharded(acc.unwrap_model(model))
+                                                      else real_hand_off(acc, model, sampler))
     made = []
 
     def make(cfg, model, tokenizer):
@@ -25,5 +36,6 @@ if __name__ == "__main__":
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     out = Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1])
     weights = {k: v.detach().flatten()[:4].tolist() for k, v in made[0].model.state_dict().items()}
-    (out / f"rank{rank}.json").write_text(json.dumps({"world_size": world, "checksum": model_checksum(made[0].model),
+    (out / f"rank{rank}.json").write_text(json.dumps({"world_size": world, "checksum": weights_sum(made[0].model),
                                                       "weights": weights}))
+    torch.save({k: v.detach().clone() for k, v in made[0].model.state_dict().items()}, out / f"sampler{rank}.pt")

@@ -1,0 +1,212 @@
+"""Public math sets -> our data: RL problems as JSONL lines {"problem", "answer", "id", "source"} (data.load_problems
+reads them), and SFT conversations as {"messages": [...]} with tool calls (data.load_conversations reads them).
+
+    python convert_data.py dapo data/dapo-math-17k.parquet data/dapo_math.jsonl
+    python convert_data.py dapo hub data/dapo_math.jsonl                   # download from the Hugging Face hub
+    python convert_data.py math MATH/train data/math_train.jsonl           # MATH's train split, as released
+    python convert_data.py math math_train.jsonl data/math_train.jsonl --all-answers
+    python convert_data.py tir NuminaMath-TIR/data/train-00000-of-00001.parquet data/sft_tir.jsonl
+
+Sources:
+- dapo: DAPO-Math-17k (Yu et al. 2025, arXiv 2503.14476; hub `BytedTsinghua-SIA/DAPO-Math-17k`, Apache-2.0), the
+  public stand-in for the report's unreleased 42K integer-answer problems. Its parquet file repeats one block of
+  17,917 rows 100 times; each row's `prompt[0].content` wraps the problem in a fixed instruction (DAPO_PREFIX,
+  DAPO_SUFFIX), stripped here; the answer is `reward_model.ground_truth`, an integer. Also read: rows whose
+  `prompt` is already a string (`open-r1/DAPO-Math-17k-Processed`, which rStar2-Agent's public code loads).
+- math: MATH's train split (Hendrycks et al. 2021, MIT licence): the release's folder of JSON files
+  (train/<subject>/<n>.json), or a JSONL/parquet copy with `problem` and `solution`. The answer is the last
+  \\boxed{...} of the solution.
+- tir: NuminaMath-TIR (Numina and Hugging Face 2024; hub `AI-MO/NuminaMath-TIR`, 72,441 train rows; its card has
+  given Apache-2.0 and CC BY-NC 4.0 at different times: check before commercial use), as SFT conversations in our
+  protocol: each ```python block followed by its ```output block becomes an assistant turn with a tool call and
+  the tool's reply; the text after the last one, then <answer>\\boxed{...}</answer> with the solution's last box,
+  ends it. Solutions whose code never prints are left out (our tool runs a script: a bare last expression prints
+  nothing, unlike the notebook that produced those outputs).
+Files: .parquet (needs `pip install pyarrow`), .jsonl, or a folder of .json files; `hub` downloads DAPO's parquet
+file with huggingface_hub (installed with transformers).
+
+Cleaning, each step counted in the summary line: problems are compared after collapsing whitespace; repeats of a
+problem with the same answer are dropped, problems with conflicting answers are dropped entirely; answers that are
+not integers are dropped unless --all-answers (the report trains on integer answers: their check is exact);
+problems whose text equals one in an evaluation set (--decontaminate, by default data/{aime24,aime25,hmmt25,
+math500}.jsonl) are dropped.
+"""
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from data import load_conversations, load_problems, write_jsonl
+from protocol import TOOL_NAME
+
+DAPO_HUB = ("BytedTsinghua-SIA/DAPO-Math-17k", "data/dapo-math-17k.parquet")
+DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
+               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+EVAL_SETS = [str(Path(__file__).resolve().parent / "data" / f"{name}.jsonl")
+             for name in ("aime24", "aime25", "hmmt25", "math500")]
+INTEGER = re.compile(r"[+-]?\d+")
+
+
+def normalize(text: str) -> str:
+    """The comparison key of a problem: whitespace runs collapsed to one space, ends stripped."""
+    return " ".join(text.split())
+
+
+def last_boxed(solution: str) -> str | None:
+    """The contents of the last \\boxed{...} (or \\fbox{...}) in a solution, braces balanced; None if there is none."""
+    start = max(solution.rfind("\\boxed{"), solution.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = solution.index("{", start) + 1
+    depth, j = 1, i
+    while j < len(solution) and depth:
+        depth += {"{": 1, "}": -1}.get(solution[j], 0)
+        j += 1
+    return solution[i:j - 1].strip() if depth == 0 else None
+
+
+def dapo_row(row: dict) -> tuple[str, str, str]:
+    """(problem, answer, id) of a DAPO-Math-17k row (original or open-r1's processed layout)."""
+    prompt = row["prompt"]
+    text = prompt[0]["content"] if isinstance(prompt, list) else prompt
+    if text.startswith(DAPO_PREFIX) and text.endswith(DAPO_SUFFIX):
+        text = text[len(DAPO_PREFIX):-len(DAPO_SUFFIX)]
+    answer = row["reward_model"]["ground_truth"] if "reward_model" in row else row["solution"]
+    return text.strip(), str(answer).strip(), str((row.get("extra_info") or {}).get("index", ""))
+
+
+def math_row(row: dict) -> tuple[str, str | None, str]:
+    """(problem, answer or None, id) of a MATH row: the answer is the solution's last \\boxed{}."""
+    return row["problem"].strip(), last_boxed(row["solution"]), str(row.get("id", ""))
+
+
+TIR_CALL = re.compile(r"```python\n(.*?)```\s*```output\n(.*?)```", re.S)
+
+
+def tir_messages(problem: str, solution: str) -> list[dict] | None:
+    """Our SFT conversation for a NuminaMath-TIR solution (see the module docstring), or None when it has no code
+    block, code that never prints, or no boxed answer."""
+    answer, calls, messages, start = last_boxed(solution), [], [{"role": "user", "content": problem.strip()}], 0
+    for match in TIR_CALL.finditer(solution):
+        calls.append((solution[start:match.start()].strip(), match.group(1).strip(), match.group(2).strip()))
+        start = match.end()
+    if not calls or answer is None or not all("print(" in code for _, code, _ in calls):
+        return None
+    for text, code, output in calls:
+        messages.append({"role": "assistant", "content": f"{text}</reason>\n",
+                         "tool_calls": [{"function": {"name": TOOL_NAME, "arguments": {"code": code}}}]})
+        messages.append({"role": "tool", "content": output})
+    final = solution[start:].strip()
+    messages.append({"role": "assistant", "content": f"{final}</reason>\n<answer>\\boxed{{{answer}}}</answer>"})
+    return messages
+
+
+def convert_tir(rows: list[dict], source: str, eval_problems: set[str]):
+    """SFT conversation rows from NuminaMath-TIR rows, and the count of each thing dropped."""
+    out, seen = [], set()
+    counts = {"rows": len(rows), "repeats": 0, "no_usable_code": 0, "in_eval_sets": 0}
+    for index, row in enumerate(rows):
+        key = normalize(row["problem"])
+        messages = tir_messages(row["problem"], row["solution"])
+        if key in seen:
+            counts["repeats"] += 1
+        elif key in eval_problems:
+            counts["in_eval_sets"] += 1
+        elif messages is None:
+            counts["no_usable_code"] += 1
+        else:
+            out.append({"messages": messages, "id": str(index), "source": f"{source}:{index}"})
+        seen.add(key)
+    return out, counts
+
+
+def read_rows(path: str) -> list[dict]:
+    """Rows of a .parquet or .jsonl file, or of a folder of .json files (each row gets its relative path as id)."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.rglob("*.json"))
+        return [{**json.loads(f.read_text(encoding="utf-8")), "id": str(f.relative_to(p))} for f in files]
+    if p.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise SystemExit(f"convert_data: reading {p} needs pyarrow: pip install pyarrow") from None
+        return pq.read_table(p).to_pylist()
+    with p.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def convert(rows: list[dict], kind: str, source: str, eval_problems: set[str], integer_only: bool):
+    """Our problem rows, and the count of each thing dropped (see the module docstring)."""
+    parse = dapo_row if kind == "dapo" else math_row
+    answers: dict[str, set] = {}
+    first: dict[str, tuple] = {}
+    counts = {"rows": len(rows), "no_answer": 0, "repeats": 0, "conflicting": 0, "not_integer": 0,
+              "in_eval_sets": 0}
+    for index, row in enumerate(rows):
+        problem, answer, row_id = parse(row)
+        if not problem or not answer:
+            counts["no_answer"] += 1
+            continue
+        key = normalize(problem)
+        if key in first:
+            counts["repeats"] += 1
+        else:
+            first[key] = (problem, answer, row_id or str(index))
+        answers.setdefault(key, set()).add(answer)
+    out = []
+    for key, (problem, answer, row_id) in first.items():
+        if len(answers[key]) > 1:
+            counts["conflicting"] += 1
+        elif integer_only and not INTEGER.fullmatch(answer):
+            counts["not_integer"] += 1
+        elif key in eval_problems:
+            counts["in_eval_sets"] += 1
+        else:
+            out.append({"problem": problem, "answer": str(int(answer)) if INTEGER.fullmatch(answer) else answer,
+                        "id": row_id, "source": f"{source}:{row_id}"})
+    return out, counts
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", choices=["dapo", "math", "tir"], help="which public set the input is")
+    parser.add_argument("input", help="a .parquet / .jsonl file, a folder of .json files, or `hub` (dapo only)")
+    parser.add_argument("output", help="the JSONL file to write")
+    parser.add_argument("--all-answers", action="store_true", help="keep non-integer answers too")
+    parser.add_argument("--decontaminate", nargs="*", default=EVAL_SETS,
+                        help="evaluation sets whose problems are dropped (default: the four in data/)")
+    args = parser.parse_args(argv)
+    path, source = args.input, Path(args.input).name
+    if args.input == "hub":
+        if args.kind != "dapo":
+            raise SystemExit("convert_data: `hub` downloads DAPO-Math-17k only; give MATH as a local file or folder")
+        from huggingface_hub import hf_hub_download
+        path, source = hf_hub_download(*DAPO_HUB, repo_type="dataset"), DAPO_HUB[0]
+    if not Path(path).exists():
+        raise SystemExit(f"convert_data: {path} not found")
+    try:
+        eval_problems = {normalize(p["problem"]) for f in args.decontaminate for p in load_problems(f)}
+    except ValueError as e:
+        raise SystemExit(f"convert_data: --decontaminate: {e}") from None
+    try:
+        rows = read_rows(path)
+        if args.kind == "tir":
+            out, counts = convert_tir(rows, source, eval_problems)
+        else:
+            out, counts = convert(rows, args.kind, source, eval_problems, integer_only=not args.all_answers)
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"convert_data: {path}: not a {args.kind} file ({type(e).__name__}: {e})") from None
+    write_jsonl(args.output, out)
+    if args.kind == "tir" and out:
+        load_conversations(args.output)  # every conversation renders in our protocol
+    noun = "conversations" if args.kind == "tir" else "problems"
+    print(f"{args.output}: {len(out)} {noun} from {counts['rows']} rows; dropped "
+          + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in counts.items() if k != "rows"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

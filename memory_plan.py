@@ -1,0 +1,201 @@
+"""What a run needs on each GPU, on paper: public model shapes, a memory estimate per GPU, and where each rank's
+sampler engine runs. `python train.py CONFIG dry_run=true world_size=64` prints both (README: memory plan).
+
+Everything here is arithmetic on numbers (no torch, no model), so a 64-GPU plan can be checked on a laptop and each
+term checked by hand. GB = 10^9 bytes. The estimate follows what train.py does:
+- the trainer keeps fp32 master weights (AdamW steps at lr 1e-6 are far below bf16's resolution, so train.py loads
+  the policy in fp32 and `mixed_precision: bf16` computes in bf16): 4 B weights + 4 B gradients + 8 B AdamW moments
+  per parameter, divided over the GPUs the policy is sharded over (FSDP);
+- under FSDP, the parameters being used are gathered unsharded in bf16: the embedding and output layer (Accelerate's
+  FSDP2 keeps the output group gathered from the end of the forward to the backward) and two decoder layers (the one
+  computing and the one prefetched);
+- activations with gradient checkpointing: each layer's input (bf16) for the whole micro-batch, plus one layer's
+  recomputation and its gradients (an estimate: ~12 hidden-size and 4 MLP-size bf16 vectors per token, doubled);
+- logits: train.token_logprobs holds three fp32 (T, V) tensors at its peak (the fp32 copy of the logits, the copy
+  divided by the temperature, the log-softmax): 12 B per token and vocabulary entry;
+- the sampler: a colocated vLLM engine takes `gpu_memory_utilization` of the GPU during rollouts (its bf16 weights,
+  ~2 GB of its own activations, the KV cache in what is left) and sleeps during the update (weights in CPU RAM, KV
+  cache dropped at sleep level 2; the hand-off loads every weight again); `HFSampler` under FSDP holds its own
+  bf16 copy and a KV buffer per slot.
+Not counted: the CUDA context and allocator fragmentation (a few GB), NCCL buffers, the code tool's processes.
+"""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GB = 1e9
+MASTER_BYTES = 4            # fp32 master weights, gradients and AdamW moments (2 per parameter)
+COMPUTE_BYTES = 2           # bf16: gathered weights, activations, the sampler's copy, the KV cache
+LOGITS_BYTES = 12           # three fp32 (T, V) tensors at the peak of train.token_logprobs
+ENGINE_OVERHEAD_GB = 2.0    # vLLM's own activations and buffers inside its share (its profile run; an estimate)
+
+# The architecture fields of public checkpoints, as their config.json on the Hugging Face hub gives them
+# (Qwen/Qwen3-0.6B, Qwen/Qwen3-1.7B, Qwen/Qwen3-14B; the -Base checkpoints share the architecture; Qwen3 technical
+# report, Table 1). bench/gpu_smoke.py builds a random model from the first one, so nothing is downloaded.
+PUBLIC_CONFIGS = {
+    "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                   "tie_word_embeddings": True, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                   "max_position_embeddings": 40960},
+    "qwen3-1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                   "tie_word_embeddings": True, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                   "max_position_embeddings": 40960},
+    "qwen3-14b": {"hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 40,
+                  "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                  "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                  "max_position_embeddings": 40960},
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes of a Qwen3/Llama-style decoder (no attention biases; Qwen3's per-head q/k norms included)."""
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool  # the output layer shares the embedding matrix
+
+    @classmethod
+    def from_config(cls, c: dict) -> "Shape":
+        """From a Hugging Face config.json dict."""
+        heads = c["num_attention_heads"]
+        return cls(layers=c["num_hidden_layers"], hidden=c["hidden_size"], intermediate=c["intermediate_size"],
+                   heads=heads, kv_heads=c.get("num_key_value_heads", heads),
+                   head_dim=c.get("head_dim") or c["hidden_size"] // heads, vocab=c["vocab_size"],
+                   tied=bool(c.get("tie_word_embeddings", False)))
+
+    @property
+    def layer_params(self) -> int:
+        """One decoder layer: q, k, v, o projections, the gated MLP, two RMSNorms, the q and k norms."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return (self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+                + 2 * self.hidden + 2 * self.head_dim)
+
+    @property
+    def embedding_params(self) -> int:
+        """The embedding and the output layer (one matrix when tied)."""
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.embedding_params + self.hidden  # + the final norm
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache per token: every layer's keys and values in bf16."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * COMPUTE_BYTES
+
+
+def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, seq_tokens: int,
+                   gradient_checkpointing: bool, sampler: str, gpu_gb: float,
+                   engine_fraction: float = 0.5, engine_tp: int = 1, hf_slots: int = 0) -> dict[str, float]:
+    """Estimated GB per GPU, by term, for one rank of a run (the module docstring says what each term counts).
+
+    shard: GPUs the policy's weights, gradients and AdamW state are divided over (1: not sharded).
+    micro_batch x seq_tokens: the sequences and their length (prompt + response) in one forward/backward.
+    sampler: "vllm" (a colocated engine taking engine_fraction of gpu_gb, weights over engine_tp GPUs) or "hf"
+    (HFSampler; under FSDP its own bf16 copy, and hf_slots KV rows of seq_tokens).
+    Returns the terms, `rollout_peak` (trainer state + sampler while sampling), `update_peak` (the policy update,
+    the engine asleep) and `kv_cache_tokens` (vLLM: tokens its KV cache holds; HF: slots x seq_tokens)."""
+    p, tokens = shape.params, micro_batch * seq_tokens
+    m = {
+        "weights": MASTER_BYTES * p / shard / GB,
+        "grads": MASTER_BYTES * p / shard / GB,
+        "adamw": 2 * MASTER_BYTES * p / shard / GB,
+        # FSDP: the gathered bf16 groups in use; without FSDP, autocast's bf16 copy of every weight
+        "gathered": COMPUTE_BYTES * ((shape.embedding_params + 2 * shape.layer_params) if fsdp else p) / GB,
+        "activations": activation_bytes(shape, tokens, gradient_checkpointing) / GB,
+        "logits": LOGITS_BYTES * tokens * shape.vocab / GB,
+    }
+    if sampler == "vllm":
+        m["sampler_weights"] = COMPUTE_BYTES * p / engine_tp / GB
+        m["kv_cache"] = max(engine_fraction * gpu_gb - m["sampler_weights"] - ENGINE_OVERHEAD_GB, 0.0)
+        m["sampler_other"] = ENGINE_OVERHEAD_GB
+        m["kv_cache_tokens"] = m["kv_cache"] * GB / shape.kv_bytes_per_token
+        asleep = 0.0  # asleep during the update: weights and KV cache dropped
+    else:
+        m["sampler_weights"] = COMPUTE_BYTES * p / GB if fsdp else 0.0  # unsharded: shares the trainer's model
+        m["kv_cache"] = hf_slots * seq_tokens * shape.kv_bytes_per_token / GB
+        m["sampler_other"] = 0.0
+        m["kv_cache_tokens"] = hf_slots * seq_tokens
+        asleep = m["sampler_weights"]  # HFSampler frees its KV buffers for the update; its copy stays
+    sampler_total = m["sampler_weights"] + m["kv_cache"] + m["sampler_other"]
+    m["rollout_peak"] = m["weights"] + m["adamw"] + sampler_total  # gradients are freed after each step
+    m["update_peak"] = (m["weights"] + m["grads"] + m["adamw"] + m["gathered"] + m["activations"] + m["logits"]
+                        + asleep)
+    return m
+
+
+def activation_bytes(shape: Shape, tokens: int, gradient_checkpointing: bool) -> float:
+    """Activation bytes of a forward/backward over `tokens` tokens, in bf16. A layer keeps about 12 hidden-size and
+    4 MLP-size vectors per token for its backward (an estimate); its backward needs as much again for gradients.
+    With checkpointing only each layer's input is kept, and one layer at a time is recomputed."""
+    layer = tokens * (12 * shape.hidden + 4 * shape.intermediate) * COMPUTE_BYTES
+    if gradient_checkpointing:
+        return shape.layers * tokens * shape.hidden * COMPUTE_BYTES + 2 * layer
+    return shape.layers * layer + layer
+
+
+def engine_layout(world: int, gpus_per_node: int, seed: int, tensor_parallel: int = 1) -> list[dict]:
+    """Where each rank's sampler engine runs: one engine per rank on the rank's own GPU (node rank // gpus_per_node,
+    device cuda:(rank % gpus_per_node)), seeded seed + rank so ranks draw different rollouts."""
+    return [{"rank": r, "node": r // gpus_per_node, "device": f"cuda:{r % gpus_per_node}", "seed": seed + r,
+             "tp": tensor_parallel} for r in range(world)]
+
+
+# ============================================================================ the dry-run plan's lines
+def engine_lines(cfg, world: int) -> list[str]:
+    """The dry-run plan's lines for the per-rank engines (`engine_layout`: first ranks, last rank), from a
+    train.TrainConfig."""
+    if cfg.sampler != "vllm":
+        return [f"engines                none: HFSampler decodes on each rank's own device, seed {cfg.seed} + rank"]
+    layout = engine_layout(world, cfg.gpus_per_node, cfg.seed, cfg.vllm_tensor_parallel_size)
+    shown = layout[:3] + ([{"rank": "..."}] if world > 4 else []) + layout[3:][-1:]
+    per_node = cfg.gpus_per_node
+    return [f"engines                one vLLM engine per rank, TP {cfg.vllm_tensor_parallel_size}, on the rank's own "
+            f"GPU: node = rank // {per_node}, device cuda:(rank % {per_node}), seed {cfg.seed} + rank",
+            "                       " + "; ".join("..." if e["rank"] == "..." else
+                                                  f"rank {e['rank']}: node {e['node']} {e['device']} seed {e['seed']}"
+                                                  for e in shown)]
+
+
+def memory_lines(cfg, world: int) -> list[str]:
+    """The dry-run plan's lines for the memory estimate per GPU (`memory_per_gpu`), from a train.TrainConfig, for
+    the model_path's config.json or the named public shape (model_shape)."""
+    config = Path(cfg.model_path) / "config.json"
+    if config.is_file():
+        shape, name = Shape.from_config(json.loads(config.read_text())), str(config)
+    elif cfg.model_shape in PUBLIC_CONFIGS:
+        shape, name = Shape.from_config(PUBLIC_CONFIGS[cfg.model_shape]), f"{cfg.model_shape} (public config)"
+    else:
+        known = ", ".join(PUBLIC_CONFIGS)
+        return [f"memory per GPU         no estimate: {config} does not exist yet; give model_shape= ({known})"]
+    shard, tokens = min(world, cfg.gpus_per_node), cfg.max_prompt_tokens + cfg.max_response_tokens
+    m = memory_per_gpu(shape, shard=shard, fsdp=True, micro_batch=cfg.micro_batch_size, seq_tokens=tokens,
+                       gradient_checkpointing=cfg.gradient_checkpointing, sampler=cfg.sampler,
+                       gpu_gb=cfg.gpu_memory_gb, engine_fraction=cfg.vllm_gpu_memory_utilization,
+                       engine_tp=cfg.vllm_tensor_parallel_size, hf_slots=cfg.rollout_batch_size)
+    gpu = cfg.gpu_memory_gb
+
+    def fits(total: float) -> str:
+        return f"{total:.1f} of {gpu:g} GB" + ("" if total <= gpu else "  OVER: does not fit")
+    return [
+        f"model                  {name}: {shape.params / 1e9:.2f}B parameters, {shape.layers} layers, hidden "
+        f"{shape.hidden}, vocab {shape.vocab:,}",
+        f"memory per GPU (GB)    an estimate (memory_plan.py): FSDP over {shard} GPUs, fp32 master weights, "
+        f"micro-batch {cfg.micro_batch_size} x {tokens:,} tokens, checkpointing {cfg.gradient_checkpointing}",
+        f"  while sampling       weights {m['weights']:.1f} + AdamW {m['adamw']:.1f} + sampler "
+        f"{m['sampler_weights']:.1f} weights + {m['kv_cache']:.1f} KV cache ({m['kv_cache_tokens']:,.0f} tokens) + "
+        f"{m['sampler_other']:.1f} = {fits(m['rollout_peak'])}",
+        f"  while updating       weights {m['weights']:.1f} + gradients {m['grads']:.1f} + AdamW {m['adamw']:.1f} + "
+        f"gathered bf16 {m['gathered']:.1f} + activations {m['activations']:.1f} + logits {m['logits']:.1f}"
+        + (f" + sampler copy {m['sampler_weights']:.1f}" if cfg.sampler == "hf" else " (engine asleep)")
+        + f" = {fits(m['update_peak'])}",
+    ] + ([f"  KV CACHE TOO SMALL    {m['kv_cache_tokens']:,.0f} tokens hold less than one rollout of {tokens:,}: "
+          "raise vllm_gpu_memory_utilization (the engine's share of the GPU)"]
+         if m["kv_cache_tokens"] < tokens else [])

@@ -1,0 +1,38 @@
+"""FSDP on CPU processes, for tests. Accelerate runs FSDP only on accelerators: with `cpu=True` (what train.py passes
+without a GPU) Accelerate 1.15 sets up gloo and then picks DDP (MULTI_CPU), whatever the FSDP config says, while
+torch's FSDP2 itself shards and gathers over gloo.
+
+`enable()` replaces `accelerate.Accelerator` with a subclass that, once gloo is up, switches Accelerate's state to
+FSDP with the plugin `accelerate launch` builds from the config file (its FSDP_* variables). Accelerate's own FSDP2
+code then runs on CPU processes: `fully_shard` of each decoder layer at `prepare`, rank 0's weights broadcast to the
+others (low-memory loading), sharded checkpoints, the full state dict for saving. It writes Accelerate's shared
+state: a newer Accelerate may need a change here, which the tests using it would show by failing.
+
+    accelerate launch --config_file configs/accelerate/fsdp_1node_8gpu.yaml --num_processes 2 \
+        tests/cpu_fsdp.py sft.py configs/tiny/sft.yaml ...        # any entry point, FSDP on CPU processes
+"""
+import runpy
+import sys
+
+import accelerate
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+
+def enable() -> None:
+    class CPUFSDPAccelerator(accelerate.Accelerator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.distributed_type == DistributedType.MULTI_CPU:
+                plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables of `accelerate launch`
+                for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+                    shared["distributed_type"] = DistributedType.FSDP
+                AcceleratorState._shared_state["fsdp_plugin"] = plugin
+
+    accelerate.Accelerator = CPUFSDPAccelerator
+
+
+if __name__ == "__main__":
+    enable()
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")

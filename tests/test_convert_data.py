@@ -1,0 +1,103 @@
+"""convert_data.py on small local fixtures in the public sets' layouts (no network): the DAPO prompt stripped, the
+repeated block and conflicting answers handled, MATH's boxed answers, decontamination against data/."""
+import json
+
+import pytest
+
+import convert_data
+from convert_data import DAPO_PREFIX, DAPO_SUFFIX, last_boxed
+from data import load_conversations, load_problems
+
+
+def dapo(problem, answer, index):
+    """A row as DAPO-Math-17k's parquet file holds it (pyarrow's to_pylist gives these dicts)."""
+    return {"data_source": "math_dapo", "prompt": [{"content": DAPO_PREFIX + problem + DAPO_SUFFIX, "role": "user"}],
+            "ability": "MATH", "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
+            "extra_info": {"index": index}}
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_dapo_rows_become_unique_problems_with_integer_answers(tmp_path, capsys, data_dir):
+    aime = load_problems(data_dir / "aime24.jsonl")[0]
+    block = [dapo("Find $1+1$.", "2", "a"), dapo("How many  primes\nare below 10?", "4", "b"),
+             dapo("Compute $x$.", "5", "c"), dapo(aime["problem"], aime["answer"], "d"),
+             dapo("Compute $x$.", "6", "e")]  # the same text with another answer: ambiguous, dropped
+    block.append(dapo("How many primes are below 10?", "4", "f"))  # the same problem, other whitespace
+    src = write(tmp_path / "dapo.jsonl", block * 3)  # the released file repeats its block (100 times)
+    out = tmp_path / "out.jsonl"
+    convert_data.main(["dapo", str(src), str(out), "--decontaminate", str(data_dir / "aime24.jsonl")])
+    rows = load_problems(out)
+    assert [(r["problem"], r["answer"], r["id"]) for r in rows] == [("Find $1+1$.", "2", "a"),
+                                                                   ("How many  primes\nare below 10?", "4", "b")]
+    assert rows[0]["source"] == "dapo.jsonl:a"
+    assert capsys.readouterr().out.strip().endswith(
+        "2 problems from 18 rows; dropped no answer 0, repeats 14, conflicting 1, not integer 0, in eval sets 1")
+
+
+def test_open_r1_processed_layout_is_read_too(tmp_path):
+    src = write(tmp_path / "p.jsonl", [{"prompt": "Find $2+3$.", "solution": "5", "data_source": "x"}])
+    out = tmp_path / "out.jsonl"
+    convert_data.main(["dapo", str(src), str(out), "--decontaminate"])
+    assert [(r["problem"], r["answer"]) for r in load_problems(out)] == [("Find $2+3$.", "5")]
+
+
+def test_math_release_folder_answers_from_the_last_box(tmp_path):
+    train = tmp_path / "MATH" / "train"
+    for name, problem, solution in [
+            ("algebra/1.json", "What is $3 \\cdot 4$?", "It is $\\boxed{12}$."),
+            ("algebra/2.json", "Half of 1?", "First $\\boxed{2}$, no: $\\boxed{\\frac{1}{2}}$."),
+            ("geometry/3.json", "No box here.", "The answer is 7.")]:
+        (train / name).parent.mkdir(parents=True, exist_ok=True)
+        (train / name).write_text(json.dumps({"problem": problem, "level": "Level 1", "type": "x",
+                                              "solution": solution}))
+    out = tmp_path / "out.jsonl"
+    convert_data.main(["math", str(train), str(out), "--decontaminate"])
+    assert [(r["problem"], r["answer"], r["id"]) for r in load_problems(out)] == [
+        ("What is $3 \\cdot 4$?", "12", "algebra/1.json")]  # 1/2 is not an integer; no box: no answer
+    convert_data.main(["math", str(train), str(out), "--decontaminate", "--all-answers"])
+    assert [r["answer"] for r in load_problems(out)] == ["12", "\\frac{1}{2}"]
+
+
+def test_last_boxed_balances_braces():
+    assert last_boxed("so \\boxed{\\frac{a}{b^{2}}} done") == "\\frac{a}{b^{2}}"
+    assert last_boxed("\\boxed{1} then \\fbox{x}") == "x"
+    assert last_boxed("\\boxed{unclosed") is None and last_boxed("none") is None
+
+
+def test_bad_input_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="not found"):
+        convert_data.main(["dapo", str(tmp_path / "missing.parquet"), str(tmp_path / "o.jsonl")])
+    src = write(tmp_path / "m.jsonl", [{"problem": "x"}])
+    with pytest.raises(SystemExit, match=r"m.jsonl: not a math file \(KeyError"):
+        convert_data.main(["math", str(src), str(tmp_path / "o.jsonl"), "--decontaminate"])
+    with pytest.raises(SystemExit, match="hub. downloads DAPO-Math-17k only"):
+        convert_data.main(["math", "hub", str(tmp_path / "o.jsonl")])
+
+
+def test_tir_solutions_become_tool_calling_conversations(tmp_path, capsys):
+    solution = ("Let us count with Python.\n\n```python\nprint(sum(range(5)))\n```\n```output\n10\n```\n"
+                "So the sum is $10$; check it:\n```python\nx = 10\nprint(x * 2)\n```\n```output\n20\n```\n"
+                "The answer is $\\boxed{10}$.")
+    rows = [{"problem": "Sum 0..4.", "solution": solution, "messages": []},
+            {"problem": "No print.", "solution": "```python\n1 + 1\n```\n```output\n2\n```\n$\\boxed{2}$"},
+            {"problem": "Sum 0..4.", "solution": solution}]
+    src, out = write(tmp_path / "tir.jsonl", rows), tmp_path / "sft.jsonl"
+    convert_data.main(["tir", str(src), str(out), "--decontaminate"])
+    (conversation,) = load_conversations(out)  # renders in our protocol
+    def call(code):
+        return [{"function": {"name": "execute_python_code_with_standard_io", "arguments": {"code": code}}}]
+    assert conversation == [
+        {"role": "user", "content": "Sum 0..4."},
+        {"role": "assistant", "content": "Let us count with Python.</reason>\n",
+         "tool_calls": call("print(sum(range(5)))")},
+        {"role": "tool", "content": "10"},
+        {"role": "assistant", "content": "So the sum is $10$; check it:</reason>\n",
+         "tool_calls": call("x = 10\nprint(x * 2)")},
+        {"role": "tool", "content": "20"},
+        {"role": "assistant", "content": "The answer is $\\boxed{10}$.</reason>\n<answer>\\boxed{10}</answer>"}]
+    assert capsys.readouterr().out.strip().endswith("1 conversations from 3 rows; dropped repeats 1, no usable code 1, "
+                                                    "in eval sets 0")

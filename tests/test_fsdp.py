@@ -1,0 +1,140 @@
+"""The FSDP weight hand-off, proven on CPU processes: two ranks over gloo with the policy sharded by Accelerate's
+FSDP2 (launched with the real configs/accelerate file; tests/cpu_fsdp.py lets Accelerate run FSDP on CPUs), each
+rank's sampler holding its own copy. What only GPUs can show (NCCL, bf16 kernels, vLLM's loader, memory) is left to
+bench/gpu_smoke.py on a GPU machine."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from data import write_jsonl
+from hf_sampler import load_named_weights
+from scripted_policy import say_problems
+from tiny_model import build_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "run_scripted_train.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+FSDP = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        str(ROOT / "configs/accelerate/fsdp_1node_8gpu.yaml"), "--num_processes", "2", "--mixed_precision", "no"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    build_tiny(root / "base", hidden=32, layers=2, heads=2)
+    write_jsonl(root / "say.jsonl", say_problems(6))
+    return root
+
+
+def train_args(tiny, out, steps):
+    # micro_batch_size 8 = one rank's kept rollouts (2 prompts x G = 4), so the two ranks' micro-batches are the
+    # single process's two; the clip is off (1e6) because the gradient norm's sum over shards runs in another
+    # order: with those two, the update is the same arithmetic on every element, and the weights agree exactly.
+    return ["configs/tiny/stage1.yaml", f"model_path={tiny / 'base'}", f"data=[{tiny / 'say.jsonl'}]",
+            f"out_dir={out}", "prompts_per_step=4", "rollouts_per_prompt=8", "group_size=4", f"steps={steps}",
+            "eval_data=null", "save_every=1", "max_response_tokens=96", "lr=1e-2", "warmup_steps=2",
+            "torch_threads=1", "tool_workers=1", "micro_batch_size=8", "grad_clip=1e6"]
+
+
+def run(cmd, env, port=None):
+    launch = cmd + (["--main_process_port", str(port)] if port else [])
+    return subprocess.run(launch + [str(SCRIPT)] + env.pop("ARGS"), env=env, cwd=ROOT, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def stage1(tiny, tmp_path_factory):
+    """Three RL steps on one process (no FSDP) and on two FSDP ranks, from the same base model and data."""
+    root = tmp_path_factory.mktemp("stage1")
+    done = run([sys.executable], {**ENV, "ARGS": train_args(tiny, root / "one", 3)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = run(FSDP, {**ENV, "CPU_FSDP": "1", "ARGS": train_args(tiny, root / "fsdp", 3)}, port=29641)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root / "one", root / "fsdp"
+
+
+def assert_samplers_equal(reference: dict, run_dir: Path) -> None:
+    """Each rank's sampler holds exactly `reference` (max difference 0)."""
+    for rank in (0, 1):
+        sampler = torch.load(run_dir / f"sampler{rank}.pt")
+        assert sampler.keys() == reference.keys()
+        for name in reference:
+            assert torch.equal(sampler[name], reference[name]), (rank, name)
+
+
+def test_each_fsdp_rank_s_sampler_gets_exactly_the_weights_of_one_process(tiny, stage1):
+    one, two = stage1
+    assert (two / "checkpoint-3" / "pytorch_model_fsdp_0").is_dir()  # sharded checkpoints: FSDP really ran
+    reference = torch.load(one / "sampler0.pt")  # one process, no FSDP: the sampler's copy of the trainer
+    start = AutoModelForCausalLM.from_pretrained(tiny / "base").state_dict()
+    assert max((reference[k] - start[k]).abs().max().item() for k in reference) > 1e-3  # training moved them
+    assert_samplers_equal(reference, two)  # the gathered weights, bit for bit
+    saved = AutoModelForCausalLM.from_pretrained(two / "model").state_dict()  # Accelerate's full state dict
+    for name in reference:
+        assert torch.equal(saved[name], reference[name]), name
+
+
+def test_stage_2_carries_the_sharded_adamw_state_like_one_process(tiny, stage1, tmp_path):
+    """optimizer_from under FSDP reads the sharded optimizer_0/ (before: "no optimizer.bin", the run stopped)."""
+    one, two = stage1
+    carry = ["resume=never"]
+    done = run([sys.executable], {**ENV, "ARGS": train_args(tiny, tmp_path / "one", 1) + carry
+                                  + [f"optimizer_from={one}"]})
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = run(FSDP, {**ENV, "CPU_FSDP": "1", "ARGS": train_args(tiny, tmp_path / "fsdp", 1) + carry
+                      + [f"optimizer_from={two}"]}, port=29644)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference = torch.load(tmp_path / "one" / "sampler0.pt")
+    fresh = run([sys.executable], {**ENV, "ARGS": train_args(tiny, tmp_path / "fresh", 1) + carry})
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    other = torch.load(tmp_path / "fresh" / "sampler0.pt")
+    assert any(not torch.equal(other[k], reference[k]) for k in reference)  # the carried state matters
+    assert_samplers_equal(reference, tmp_path / "fsdp")
+
+
+def test_a_skipped_gather_is_caught_by_the_hand_off_check(tiny, tmp_path):
+    out = tmp_path / "skipped"
+    done = run(FSDP, {**ENV, "CPU_FSDP": "1", "SKIP_GATHER": "1", "ARGS": train_args(tiny, out, 2)}, port=29642)
+    assert done.returncode != 0
+    assert "hand-off error at the start: the sampler's log-probs differ from the trainer's by" in done.stderr
+    assert not (out / "metrics.jsonl").exists()  # stopped before the first rollout
+
+
+def test_the_loader_refuses_a_shard_or_a_missing_weight(tiny):
+    model = AutoModelForCausalLM.from_pretrained(tiny / "base")
+    weights = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    shard = {**weights, "model.layers.0.mlp.up_proj.weight": weights["model.layers.0.mlp.up_proj.weight"][:64]}
+    with pytest.raises(ValueError, match=r"up_proj.weight arrived with shape \(64, 32\), the sampler's is "
+                                         r"\(128, 32\) \(a shard instead of the gathered parameter\?\)"):
+        load_named_weights(model, shard.items())
+    with pytest.raises(ValueError, match="1 weights never arrived, e.g. model.norm.weight"):
+        load_named_weights(model, [(k, v) for k, v in weights.items() if k != "model.norm.weight"])
+    with pytest.raises(ValueError, match="has no weight 'extra'"):
+        load_named_weights(model, [("extra", torch.zeros(1))])
+    load_named_weights(model, ((k, v) for k, v in weights.items() if k != "lm_head.weight"))  # tied: once is enough
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name
+
+
+def test_sft_under_fsdp_saves_the_whole_model_of_one_process(tiny, tmp_path):
+    """sft.py's save under FSDP2 (it wrote DTensor shards through save_pretrained and failed): two ranks with
+    micro-batch 4 match one rank accumulating two micro-batches (as tests/test_sft.py checks for DDP)."""
+    from tiny_task import write_task
+    data = write_task(tmp_path / "data", n_train=4, n_test=2, n_sft=16, workers=1)["sft"]
+    args = [f"model_path={tiny / 'base'}", f"data={data}", "max_steps=2", "lr=3e-3", "batch_size=8",
+            "micro_batch_size=4", "log_every=1", "system_prompt=compact", "user_instruction="]
+    one, two = tmp_path / "one", tmp_path / "two"
+    done = subprocess.run([sys.executable, "sft.py", f"out_dir={one}"] + args, cwd=ROOT, env=ENV,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run(FSDP + ["--main_process_port", "29643", "tests/cpu_fsdp.py", "sft.py", f"out_dir={two}"]
+                          + args, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = (AutoModelForCausalLM.from_pretrained(p / "model").state_dict() for p in (one, two))
+    start = AutoModelForCausalLM.from_pretrained(tiny / "base").state_dict()
+    assert a.keys() == b.keys() and max((a[n] - start[n]).abs().max().item() for n in a) > 1e-3
+    assert all((a[n] - b[n]).abs().max() <= 2e-6 for n in a)

@@ -1,0 +1,75 @@
+"""memory_plan.py: parameter counts against the real transformers models, the memory estimate by hand values, the
+per-rank engine layout, and the dry-run plan that prints them."""
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import train
+from memory_plan import GB, PUBLIC_CONFIGS, Shape, engine_layout, memory_per_gpu
+
+TOY = Shape(layers=2, hidden=4, intermediate=8, heads=2, kv_heads=1, head_dim=2, vocab=10, tied=False)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_CONFIGS))
+def test_parameter_count_is_that_of_the_transformers_model(name):
+    with torch.device("meta"):  # shapes only, no memory
+        model = Qwen3ForCausalLM(Qwen3Config(**PUBLIC_CONFIGS[name]))
+    assert Shape.from_config(PUBLIC_CONFIGS[name]).params == sum(p.numel() for p in model.parameters())
+
+
+def test_qwen3_14b_by_hand():
+    shape = Shape.from_config(PUBLIC_CONFIGS["qwen3-14b"])
+    # q 5120x5120, k and v 5120x1024, o 5120x5120, MLP 3 x 5120x17408, two norms of 5120, q/k norms of 128
+    assert shape.layer_params == 26_214_400 + 2 * 5_242_880 + 26_214_400 + 267_386_880 + 10_240 + 256
+    assert shape.params == 40 * 330_311_936 + 2 * 151_936 * 5120 + 5120 == 14_768_307_200
+    assert shape.kv_bytes_per_token == 40 * 2 * 8 * 128 * 2  # 160 KiB: K and V, 8 KV heads, bf16
+
+
+def test_memory_terms_by_hand():
+    assert TOY.layer_params == 4 * 8 + 4 * 4 + 3 * 4 * 8 + 2 * 4 + 2 * 2 == 156
+    assert TOY.params == 2 * 156 + 2 * 10 * 4 + 4 == 396
+    m = {k: v * GB for k, v in memory_per_gpu(TOY, shard=2, fsdp=True, micro_batch=1, seq_tokens=5,
+                                              gradient_checkpointing=True, sampler="hf", gpu_gb=1.0,
+                                              hf_slots=3).items()}
+    expected = {
+        "weights": 4 * 396 / 2, "grads": 4 * 396 / 2, "adamw": 8 * 396 / 2,
+        "gathered": 2 * (2 * 10 * 4 + 2 * 156),           # bf16 embedding + output layer + two layers
+        "activations": 2 * 5 * 4 * 2 + 2 * 5 * (12 * 4 + 4 * 8) * 2,  # layer inputs + one layer and its gradients
+        "logits": 12 * 5 * 10,
+        "sampler_weights": 2 * 396,                       # HFSampler's own bf16 copy under FSDP
+        "kv_cache": 3 * 5 * (2 * 2 * 1 * 2 * 2),          # slots x tokens x (layers, K and V, kv heads, head dim, bf16)
+    }
+    for key, value in expected.items():
+        assert m[key] == pytest.approx(value), key
+    assert m["rollout_peak"] == pytest.approx(792 + 1584 + 792 + 240)
+    assert m["update_peak"] == pytest.approx(792 + 792 + 1584 + 784 + 1680 + 600 + 792)
+
+
+def test_vllm_engine_share_holds_its_weights_then_the_kv_cache():
+    shape = Shape.from_config(PUBLIC_CONFIGS["qwen3-14b"])
+    m = memory_per_gpu(shape, shard=8, fsdp=True, micro_batch=1, seq_tokens=10_240, gradient_checkpointing=True,
+                       sampler="vllm", gpu_gb=141.0, engine_fraction=0.5)
+    assert m["sampler_weights"] == pytest.approx(2 * 14_768_307_200 / 1e9)
+    assert m["sampler_weights"] + m["kv_cache"] + m["sampler_other"] == pytest.approx(0.5 * 141.0)
+    assert m["kv_cache_tokens"] == pytest.approx(m["kv_cache"] * 1e9 / 163_840)
+    assert m["weights"] + m["grads"] + m["adamw"] == pytest.approx(16 * 14_768_307_200 / 8 / 1e9)
+    assert m["update_peak"] < m["rollout_peak"] < 141.0  # the engine sleeps during the update
+
+
+def test_each_rank_has_its_own_device_on_its_node_and_its_own_seed():
+    layout = engine_layout(world=16, gpus_per_node=8, seed=5)
+    assert [(e["node"], e["device"]) for e in layout[7:10]] == [(0, "cuda:7"), (1, "cuda:0"), (1, "cuda:1")]
+    assert len({(e["node"], e["device"]) for e in layout}) == 16 and len({e["seed"] for e in layout}) == 16
+    assert layout[9]["seed"] == 14 and {e["tp"] for e in layout} == {1}
+
+
+def test_dry_run_prints_engines_and_memory_for_64_gpus(capsys):
+    train.main(["configs/qwen3-14b/stage1.yaml", "dry_run=true", "world_size=64"])
+    out = capsys.readouterr().out
+    assert "rank 63: node 7 cuda:7 seed 63" in out and "TP 1" in out
+    assert "14.77B parameters" in out and "FSDP over 8 GPUs" in out
+    assert "= 92.7 of 141 GB" in out and "= 62.2 of 141 GB" in out and "OVER" not in out
+    train.main(["configs/qwen3-14b/stage1.yaml", "dry_run=true", "world_size=64", "gpu_memory_gb=60"])
+    out = capsys.readouterr().out
+    assert "= 62.2 of 60 GB  OVER: does not fit" in out  # the update
+    assert "KV CACHE TOO SMALL" in out  # half of 60 GB barely holds the engine's 29.5 GB of weights
