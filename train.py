@@ -132,7 +132,8 @@ class TrainConfig:
 
 # Allowed values of the numeric fields (config.check_ranges), checked by `validate` before any work.
 RANGES = {
-    "steps": ">= 1", "seed": ">= 0 and <= 4294967295", "world_size": ">= 0",
+    "steps": ">= 1", "seed": ">= 0 and <= 4294967295", "world_size": ">= 0", "gpus_per_node": ">= 1",
+    "gpu_memory_gb": "> 0",
     "prompts_per_step": ">= 1", "rollouts_per_prompt": ">= 2", "group_size": ">= 2",
     "clip_low": ">= 0 and < 1", "clip_high": ">= 0", "dual_clip": "> 1",
     "max_response_tokens": ">= 16", "max_turns": ">= 1", "max_prompt_tokens": ">= 1",

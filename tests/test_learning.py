@@ -18,7 +18,7 @@ import train
 from data import write_jsonl
 from grpo_roc import group_advantages
 from protocol import IM_END, chat_format
-from sampler import Completion, TurnSampler, model_checksum
+from sampler import Completion, TurnSampler, sequence_logprobs
 from tiny_model import build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -79,7 +79,7 @@ class DigitSampler(TurnSampler):
     tokens at that position, at the requested temperature, from the global torch RNG the trainer seeds)."""
 
     def __init__(self, model, tokenizer):
-        self.model, self.tok = model, tokenizer
+        self.model, self.tok, self.dtype = model, tokenizer, next(model.parameters()).dtype
         self.prefix = tokenizer.encode(PREFIX, add_special_tokens=False)
         im_end = tokenizer.convert_tokens_to_ids(IM_END)
         self.suffix = tokenizer.encode("}</answer>", add_special_tokens=False) + [im_end]
@@ -104,8 +104,8 @@ class DigitSampler(TurnSampler):
     def update_weights(self, model) -> None:
         self.model = model
 
-    def weights_checksum(self) -> float:
-        return model_checksum(self.model)
+    def score(self, token_ids) -> list[float]:
+        return sequence_logprobs(self.model, token_ids).tolist()
 
 
 def expected_reward(model_dir, tok) -> float:
