@@ -28,3 +28,4 @@ def test_quick_pipeline_runs_every_stage_and_writes_the_summary(tmp_path):
     sft_rows = (tmp_path / "tiny" / "sft" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(sft_rows[-1])["sft/loss"] < json.loads(sft_rows[0])["sft/loss"]  # SFT learned something
     assert "sft -> stage3" in done.stdout
+    assert summary["tool_sandbox"].startswith("code tool sandbox: ") and summary["tool_sandbox"] in done.stderr

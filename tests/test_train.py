@@ -115,6 +115,7 @@ def test_train_entry_point_learns_on_scripted_rollouts(tiny, tmp_path, monkeypat
     assert model_checksum(after) != model_checksum(before)
     assert (out / "latest").read_text().strip() == "checkpoint-2"
     assert (out / "config.yaml").is_file() and (out / "curves.png").stat().st_size > 1000
+    assert (out / "sandbox.txt").read_text().startswith("code tool sandbox: ")  # what model code could reach
 
 
 def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkeypatch, capsys):
@@ -138,6 +139,8 @@ def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkey
     (["rollouts_per_prompt=3", "group_size=4"], "group_size <= rollouts_per_prompt"),
     (["roc_mode=best"], "roc_mode must be"),
     (["group_sise=4"], "unknown config key 'group_sise'"),
+    (["tool_backend=docker"], "config error: tool_backend must be one of auto, servers, subprocess, got 'docker'$"),
+    (["tool_backend=subprocess", "tool_require_isolation=true"], "config error: tool_require_isolation is set"),
 ])
 def test_bad_input_stops_before_any_work_with_a_clear_message(tiny, tmp_path, extra, message):
     with pytest.raises(SystemExit, match=message):
