@@ -10,10 +10,10 @@ rlimits, uid drop when root, fresh directory), runs the code as a notebook cell 
 own mount namespace the server first covers BASE with a tmpfs of SCRATCH_MB, so the files of a call
 hold at most that much RAM.
 
-Under the subprocess backend, `run_once(CALL_DIR)` in a new interpreter is the call child: a fresh
-interpreter that sets the same limits on itself (where the platform has them), runs the code and
-exits. Both paths share `execute`, `format_error` and `describe`, so the model reads the same text
-from either.
+Under the subprocess backend, a new interpreter per call runs `run_once(CALL_DIR)`: it sets the same
+limits on itself (where the platform has them), runs the code and exits. Both backends share
+`execute`, `format_error` and `describe`, so the model reads the same text from either. This module
+imports on any platform (without `resource` on Windows); the server needs Linux.
 
 Cost model of the servers, since a call's price is a fork: the child pays a copy-on-write page fault
 for every page of the server's memory it writes, and every handler a module registered with
@@ -148,7 +148,7 @@ def describe(reason: str | None, returncode: int | None, bufs: list, timeout: fl
     return {"status": status, "stdout": out, "stderr": err}
 
 
-# ----------------------------------------------------------------------------------- confinement
+# -------------------------------------------------------------------------------------- confinement
 def _limit(res: int, value: int) -> None:
     """Set soft = hard = value (never above the current hard limit, which only root could raise)."""
     hard = resource.getrlimit(res)[1]
@@ -185,7 +185,7 @@ def _vm_bytes() -> int:
         os.close(fd)
 
 
-# --------------------------------------------------------------------- the call child of a server
+# ----------------------------------------------------------------------- the call child of a server
 def _child(request: dict, workdir: str, vm_bytes: int, fds: list[int], as_root: bool,
            namespaced: bool):
     """Body of the forked call child: confine, run the code, report on fd 3 ("status\\nechoed
@@ -228,7 +228,7 @@ def _child(request: dict, workdir: str, vm_bytes: int, fds: list[int], as_root: 
     os._exit(0 if status == "ok" else 1)
 
 
-# --------------------------------------------------------------------- the worker server
+# -------------------------------------------------------------------------------- the worker server
 def _descendants(root: int) -> list[int]:
     """Pids below root, from /proc (used where the server is not a PID namespace's init)."""
     children: dict[int, list[int]] = {}
@@ -458,7 +458,7 @@ def probe(base: str) -> None:
     print(json.dumps({"pid": os.getpid(), "scratch_error": error}))
 
 
-# --------------------------------------------------------------------- the subprocess backend
+# --------------------------------------------------------------------------- the subprocess backend
 def run_once(call_dir: str) -> None:
     """A call under the subprocess backend (code_tool.RUN_ONCE): this fresh interpreter is the call
     child. The caller wrote CALL_DIR/request.json, opened stdin, stdout and stderr on files in

@@ -30,7 +30,8 @@ collection and interpreter exit end every process the tool started.
 Sandbox modes (`CodeTool.sandbox`; `CodeTool.sandbox_line` says it in one line, which train.py and
 eval.py print and save as sandbox.txt in their run folder). In every mode: the wall-clock timeout,
 the output cap, a fresh directory per call as cwd, $HOME and $TMPDIR (removed after the call), and
-an environment with only PATH, PYTHONPATH and LD_LIBRARY_PATH of the caller's.
+an environment with only PATH, PYTHONPATH and LD_LIBRARY_PATH of the caller's (and SYSTEMROOT on
+Windows).
 - "namespaces" (servers; util-linux `unshare` works, as root or in a user namespace): each server is
   init of its own PID, mount and network namespace. Protects: no network (not even loopback); the
   caller's processes can be neither seen nor signalled; every process a call starts is killed when
@@ -100,7 +101,7 @@ BACKENDS = ("auto", "servers", "subprocess")  # CodeTool(backend=...), config fi
 REPLY_GRACE_S = 10.0  # a server is dead when no reply comes this long after the call's timeout
 READY_TIMEOUT_S = 120.0  # how long a starting server may take to import PRELOAD
 LIGHT_HELP_AFTER_S = 0.1  # a light call running longer is "slow": heavy servers may then help
-POLL_S = 0.005  # subprocess backend: how often a call's exit, deadline and output size are checked
+POLL_S = 0.005  # subprocess backend: how often the running calls' deadlines and outputs are checked
 ENV_KEPT = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "SYSTEMROOT")  # the caller's, kept for calls
 SANDBOX_PY = os.path.abspath(code_sandbox.__file__)
 # a subprocess-backend call: imported, not run as a script, so that its compiled bytecode is reused
@@ -297,7 +298,7 @@ def announce(sandbox: Sandbox) -> str:
     return line
 
 
-# ------------------------------------------------------------------------- the servers backend
+# ------------------------------------------------------------------------------ the servers backend
 class WorkerDied(Exception):
     """A worker server exited, broke the protocol or stopped answering."""
 
@@ -556,7 +557,14 @@ class _Pool:
             self._close_wake()
 
 
-# ------------------------------------------------------------------------- the subprocess backend
+# --------------------------------------------------------------------------- the subprocess backend
+def over(paths: list[str], cap: int) -> bool:
+    """Whether a file of paths holds more than cap bytes."""
+    with contextlib.suppress(OSError):
+        return max(os.path.getsize(p) for p in paths) > cap
+    return False
+
+
 def head(path: str, size: int) -> bytes:
     """The first size bytes of a file (b"" if there is none)."""
     try:
@@ -568,19 +576,22 @@ def head(path: str, size: int) -> bytes:
 
 class _Subprocesses:
     """The portable backend: each call is a new interpreter running RUN_ONCE on a fresh CALL_DIR,
-    started and watched by one of `workers` daemon threads of the caller. The call's stdin, stdout
-    and stderr are files in CALL_DIR (no pipe can block, and any platform can watch their sizes);
-    the thread polls every POLL_S for the interpreter's exit, the deadline and the output cap, then
-    kills the call's process group (POSIX) and describes the outcome as the servers do
-    (code_sandbox.describe)."""
+    started by one of `workers` daemon threads of the caller, which then waits for its exit. The
+    call's stdin, stdout and stderr are files in CALL_DIR (no pipe can block, and any platform can
+    read their sizes); one more thread (guard) kills the calls that pass their deadline or output
+    cap. Then the call's process group is killed (POSIX) and the outcome described as the servers
+    do (code_sandbox.describe)."""
 
     def __init__(self, workers: int, limits: dict, max_chars: int, env: dict):
         self.limits, self.max_chars, self.env = limits, max_chars, env
-        self.lock, self.running, self.closed = threading.Lock(), set(), False
+        self.lock, self.closed = threading.Lock(), False
+        self.running = {}  # Popen -> {"deadline", "outputs" (paths), "reason" it was killed for}
+        self.changed = threading.Condition(self.lock)  # a call started, or the backend closed
         self.queue = queue.SimpleQueue()
         self.threads = [threading.Thread(target=self.work, daemon=True, name="code-tool")
                         for _ in range(workers)]
-        for thread in self.threads:
+        guard = threading.Thread(target=self.guard, daemon=True, name="code-tool-guard")
+        for thread in self.threads + [guard]:
             thread.start()
 
     def submit(self, lane: str, request: dict, future: Future) -> None:
@@ -623,40 +634,45 @@ class _Subprocesses:
             if self.closed:
                 return {"status": "crash", "stdout": "",
                         "stderr": "code tool closed before the call ran\n"}
+            start = time.monotonic()
             proc = subprocess.Popen([sys.executable, "-c", RUN_ONCE, call_dir], stdin=stdin,
                                     stdout=stdout, stderr=stderr, cwd=work, env=env,
                                     start_new_session=True)  # (POSIX: its own process group)
-            self.running.add(proc)
-        start = time.monotonic()
-        reason = self.watch(proc, start + timeout, [path["stdout"], path["stderr"]], cap)
-        elapsed = time.monotonic() - start
-        self.kill(proc)
+            self.running[proc] = {"deadline": start + timeout, "reason": None,
+                                  "outputs": [path["stdout"], path["stderr"]]}
+            self.changed.notify()
         proc.wait()
+        elapsed = time.monotonic() - start
+        self.kill(proc)  # what it left in its group
         with self.lock:
-            self.running.discard(proc)
+            reason = self.running.pop(proc)["reason"]
         bufs = [head(path[name], cap + 1) for name in ("stdout", "stderr", "status")]
         if reason is None and max(len(b) for b in bufs[:2]) > cap:
             reason = "output_limit"
-        if self.closed and reason is None and not bufs[2]:
+        if reason == "closed":
             return {"status": "crash", "stdout": "", "stderr": "code tool closed during the call\n",
                     "elapsed": elapsed}
         return {**code_sandbox.describe(reason, proc.returncode, bufs, timeout, cap),
                 "elapsed": elapsed}
 
-    @staticmethod
-    def watch(proc: subprocess.Popen, deadline: float, outputs: list[str], cap: int) -> str | None:
-        """Wait for the interpreter's exit; None when it exits by itself, else why it must be killed
-        ("timeout", "output_limit")."""
-        while True:
-            try:
-                proc.wait(timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))
-                return None
-            except subprocess.TimeoutExpired:
-                pass
-            if max(os.path.getsize(p) for p in outputs) > cap:
-                return "output_limit"
-            if time.monotonic() >= deadline:
-                return "timeout"
+    def guard(self) -> None:
+        """Every POLL_S while calls run: kill each call past its deadline or its output cap, noting
+        why (its thread, waiting for the exit, takes it from there)."""
+        with self.lock:
+            while not self.closed:
+                if not self.running:
+                    self.changed.wait()
+                    continue
+                self.changed.wait(POLL_S)
+                now = time.monotonic()
+                for proc, call in self.running.items():
+                    if call["reason"] is None and now >= call["deadline"]:
+                        call["reason"] = "timeout"
+                    elif call["reason"] is None and over(call["outputs"], self.limits["max_bytes"]):
+                        call["reason"] = "output_limit"
+                    else:
+                        continue
+                    self.kill(proc)
 
     @staticmethod
     def kill(proc: subprocess.Popen) -> None:
@@ -679,14 +695,15 @@ class _Subprocesses:
             if self.closed:
                 return
             self.closed = True
-            running = list(self.running)
-        for proc in running:
-            self.kill(proc)
+            for proc, call in self.running.items():
+                call["reason"] = "closed"
+                self.kill(proc)
+            self.changed.notify()
         for _ in self.threads:
             self.queue.put(None)
 
 
-# ------------------------------------------------------------------------- the tool
+# ----------------------------------------------------------------------------------------- the tool
 class CodeTool:
     """`execute_python_code_with_standard_io` calls on one of two backends; see the module
     docstring.
