@@ -1,31 +1,40 @@
-"""The sandbox side of the code tool (code_tool.py): the worker server and the call child it forks per call.
+"""The sandbox side of the code tool (code_tool.py): the worker server, the call child it forks per
+call, and the per-call interpreter of the portable subprocess backend.
 
-A worker server is one long-lived Python (`python code_sandbox.py --serve MODULES BASE`), started by CodeTool, as
-init of its own namespaces where `unshare` works. It imports MODULES once, then answers one JSON request line per
-call on stdin with one JSON reply line on stdout: it forks a call child in a fresh directory, watches it from
-outside (wall clock, output bytes), kills whatever the call left behind, and describes the outcome. The child
-confines itself (session, rlimits, uid drop when root, fresh directory), runs the code as a notebook cell and exits.
+A worker server is one long-lived Python (`python code_sandbox.py --serve MODULES SCRATCH_MB BASE`),
+started by CodeTool, as init of its own namespaces where `unshare` works. It imports MODULES once,
+then answers one JSON request line per call on stdin with one JSON reply line on stdout: it forks a
+call child in a fresh directory under BASE, watches it from outside (wall clock, output bytes),
+kills whatever the call left behind, and describes the outcome. The child confines itself (session,
+rlimits, uid drop when root, fresh directory), runs the code as a notebook cell and exits. In its
+own mount namespace the server first covers BASE with a tmpfs of SCRATCH_MB, so the files of a call
+hold at most that much RAM.
 
-Cost model, since a call's price is a fork: the child pays a copy-on-write page fault for every page of the
-server's memory it writes (about 4 us each on the development VM), and every handler a module registered with
-os.register_at_fork runs in every child. The two points below took a trivial call's child from about 530 to 280
-faults and from about 2.5 to 1.3 ms of CPU (measured side by side, 3 runs each; docs/LOG.md):
-- This module imports only light standard-library modules. `threading` (and what imports it: subprocess, logging,
-  concurrent.futures) must stay out of a server: its at-fork handler runs in every call (bench/code_tool.py
-  prints what it adds: 55-60 faults a call). Those modules belong to the caller (code_tool.py); a test checks
-  that a call sees none of them.
-- The child does the least it can in Python: the server sets what a fork inherits (no_new_privs, the std streams'
-  encodings) once; the child calls `_signal` directly (signal.signal converts its result to an enum); the caller,
-  not the child, parses the code to find the expression a notebook echoes (building ast objects is costly here).
-- The modules a server holds are also what a call can import in the "fallback" sandbox as root when the Python
-  install is unreadable to nobody (see code_tool.py): there, only PRELOAD and this module's imports are available.
+Under the subprocess backend, a new interpreter per call runs `run_once(CALL_DIR)`: it sets the same
+limits on itself (where the platform has them), runs the code and exits. Both backends share
+`execute`, `format_error` and `describe`, so the model reads the same text from either. This module
+imports on any platform (without `resource` on Windows); the server needs Linux.
+
+Cost model of the servers, since a call's price is a fork: the child pays a copy-on-write page fault
+for every page of the server's memory it writes, and every handler a module registered with
+os.register_at_fork runs in every child. Hence:
+- This module imports only light standard-library modules. `threading` (and what imports it:
+  subprocess, logging, concurrent.futures) must stay out of a server: its at-fork handler runs in
+  every call. Those modules belong to the caller (code_tool.py); a test checks that a call sees none
+  of them.
+- The child does the least it can in Python: the server sets what a fork inherits (no_new_privs, the
+  std streams' encodings) once; the child calls `_signal` directly (signal.signal converts its
+  result to an enum); the caller, not the child, parses the code to find the expression a notebook
+  echoes (building ast objects is costly here).
+- The modules a server holds are also what a call can import in the "fallback-root" mode when the
+  Python install is unreadable to nobody (see code_tool.py): there, only PRELOAD and this module's
+  imports exist.
 
 Run through CodeTool; tests: tests/test_code_tool.py.
 """
 from __future__ import annotations
 
 import _signal
-import ast
 import builtins
 import contextlib
 import ctypes
@@ -33,8 +42,6 @@ import gc
 import json
 import linecache
 import os
-import re
-import resource
 import select
 import shutil
 import signal
@@ -43,58 +50,60 @@ import tempfile
 import time
 import traceback
 
-STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash")  # ToolResult.status, one word each
+try:
+    import resource  # POSIX
+except ImportError:  # Windows: no rlimits
+    resource = None
+
+# ToolResult.status, one word each
+STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crash")
 CODE_NAME = "<code>"  # filename of the model's code in tracebacks; frames from elsewhere are hidden
 MAX_FRAMES = 3  # innermost frames of the model's code shown in a traceback
 NOBODY = 65534  # uid/gid a root caller's code runs as
 FILE_LIMIT_MB = 64  # RLIMIT_FSIZE: largest file a call may write
-NPROC_LIMIT = 256  # RLIMIT_NPROC when running as nobody: processes + threads of that uid at once (a fork bomb stops)
-PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "re", "random", "json",
-           "statistics", "heapq", "bisect", "string", "copy", "operator", "datetime", "typing", "numpy", "sympy")
-WARMUP = "import numpy.random, sympy\nsympy.solve(sympy.Symbol('x')**2 - 4)\nnumpy.linalg.inv(numpy.eye(2))"
-CHILD_GC_THRESHOLD = 50_000  # allocations between the call child's young-generation collections (Python: 700)
+SCRATCH_MB = 64  # tmpfs (RAM) holding a namespaced server's call directories: a call's files
+NPROC_LIMIT = 256  # RLIMIT_NPROC as nobody: processes + threads of that uid (a fork bomb stops)
+PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "re",
+           "random", "json", "statistics", "heapq", "bisect", "string", "copy", "operator",
+           "datetime", "typing", "numpy", "sympy")
+WARMUP = ("import numpy.random, sympy\nsympy.solve(sympy.Symbol('x')**2 - 4)\n"
+          "numpy.linalg.inv(numpy.eye(2))")
+CHILD_GC_THRESHOLD = 50_000  # allocations between the call child's young collections (Python: 700)
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC = 2, 4, 4096, 16384
-_libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform != "win32" else None
 
 
-# ----------------------------------------------------------------------------------- the call child (runs model code)
+# --------------------------------------------------------------------- the code, as a notebook cell
 def format_error(exc: BaseException) -> str:
-    """A compact traceback: only frames of the model's code (none of ours or a library's), the innermost
-    MAX_FRAMES of them, without 3.11's ^^^ marker lines; then the exception line, which matters most.
-    SystemExit gets only its line ("SystemExit: 1"): Python prints no traceback for it either."""
+    """A compact traceback: only frames of the model's code (none of ours or a library's), the
+    innermost MAX_FRAMES of them, without 3.11's ^^^ marker lines; then the exception line, which
+    matters most. SystemExit gets only its line ("SystemExit: 1"): Python prints no traceback for it
+    either."""
     if isinstance(exc, SystemExit):
         return "".join(traceback.format_exception_only(type(exc), exc))
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == CODE_NAME]
-    lines = [f'  File "{CODE_NAME}", line {f.lineno}, in {f.name}\n' + (f"    {f.line}\n" if f.line else "")
-             for f in frames[-MAX_FRAMES:]]
+    lines = [f'  File "{CODE_NAME}", line {f.lineno}, in {f.name}\n'
+             + (f"    {f.line}\n" if f.line else "") for f in frames[-MAX_FRAMES:]]
     if len(frames) > MAX_FRAMES:
         lines.insert(0, f"  [{len(frames) - MAX_FRAMES} more frames]\n")
     head = ["Traceback (most recent call last):\n"] if frames else []
     return "".join(head + lines + traceback.format_exception_only(type(exc), exc))
 
 
-def echo_span(code: str, tree: ast.Module | None) -> list[int] | None:
-    """Where the expression a notebook echoes sits in code: [start, end, line] (character offsets and line number)
-    when the last top-level statement is a bare expression, else None. tree: ast.parse(code), None where code does
-    not parse (the child compiles it and reports the SyntaxError). Runs in the caller, which parses anyway."""
-    if tree is None or not tree.body or not isinstance(last := tree.body[-1], ast.Expr):
-        return None
-    starts = [0] + [m.end() for m in re.finditer(r"\r\n?|\n", code)]  # where each line starts, as Python counts
-
-    def offset(line: int, byte_col: int) -> int:  # ast's columns count UTF-8 bytes
-        begin = starts[line - 1]
-        return begin + len(code[begin:begin + byte_col].encode()[:byte_col].decode())
-    return [offset(last.lineno, last.col_offset), offset(last.end_lineno, last.end_col_offset), last.lineno]
-
-
 def execute(code: str, echo: list[int] | None) -> tuple[str, str]:
-    """Run code in a fresh namespace as a notebook cell: its statements, then the expression at echo (echo_span),
-    evaluated apart so that its value can be shown. Returns (status, repr of that value, or "" for None)."""
-    linecache.cache[CODE_NAME] = (len(code), None, code.splitlines(True), CODE_NAME)  # source lines in tracebacks
+    """Run code in a fresh namespace as a notebook cell: its statements, then the expression at echo
+    (echo_span), evaluated apart so that its value can be shown. Returns (status, repr of that
+    value, or "" for None)."""
+    # the source lines shown in tracebacks
+    linecache.cache[CODE_NAME] = (len(code), None, code.splitlines(True), CODE_NAME)
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     # the expression keeps its line number (blank lines before it) for tracebacks
-    body, last = (code[:echo[0]], "\n" * (echo[2] - 1) + code[echo[0]:echo[1]]) if echo else (code, "")
+    body, last = code, ""
+    if echo:
+        body, last = code[:echo[0]], "\n" * (echo[2] - 1) + code[echo[0]:echo[1]]
     try:
         exec(compile(body, CODE_NAME, "exec"), namespace)
         value = eval(compile(last, CODE_NAME, "eval"), namespace) if last else None
@@ -105,13 +114,41 @@ def execute(code: str, echo: list[int] | None) -> tuple[str, str]:
         status, error = "error", exc
     except MemoryError as exc:
         status, error = "memory", exc
-    except BaseException as exc:  # everything the code raises, KeyboardInterrupt included, is the code's error
+    except BaseException as exc:  # all the code raises, KeyboardInterrupt included, is its error
         status, error = "error", exc
-    with contextlib.suppress(BaseException):  # the code may have closed stderr; the status still goes back
+    with contextlib.suppress(BaseException):  # the code may have closed stderr; the status counts
         sys.stderr.write(format_error(error))
     return status, ""
 
 
+def describe(reason: str | None, returncode: int | None, bufs: list, timeout: float,
+             cap: int) -> dict:
+    """The outcome as ToolResult fields, from why the call was killed (if it was), how it exited
+    (returncode as subprocess reports it: the exit code, or -N for signal N; None if unknown) and
+    its bytes (stdout, stderr, control: "status\\necho", the call child's last act)."""
+    out, err, ctl = (bytes(b[:cap]).decode("utf-8", "replace") for b in bufs)
+    word, _, echo = ctl.partition("\n")
+    note = ""
+    if reason == "timeout":
+        status, note = reason, f"killed after {timeout:g} s"
+    elif reason:
+        status, note = reason, f"killed after {cap} bytes of output"
+    elif word in STATUSES:
+        status, note = word, echo if word == "crash" else ""
+    elif returncode is not None and returncode < 0:
+        sig = signal.Signals(-returncode)
+        status = "timeout" if sig == getattr(signal, "SIGXCPU", None) else "crash"
+        note = f"killed by {sig.name}"
+    else:  # os._exit(n) or the control channel closed by the code: only the exit code is known
+        status, note = ("ok", "") if returncode == 0 else ("error", f"exit code {returncode}")
+    if status == "ok" and not out and echo:
+        out = echo + "\n"
+    if note:
+        err += ("" if err.endswith("\n") or not err else "\n") + note + "\n"
+    return {"status": status, "stdout": out, "stderr": err}
+
+
+# -------------------------------------------------------------------------------------- confinement
 def _limit(res: int, value: int) -> None:
     """Set soft = hard = value (never above the current hard limit, which only root could raise)."""
     hard = resource.getrlimit(res)[1]
@@ -119,55 +156,87 @@ def _limit(res: int, value: int) -> None:
     resource.setrlimit(res, (value, value))
 
 
-def _child(request: dict, workdir: str, vm_bytes: int, fds: list[int], as_root: bool, namespaced: bool):
-    """Body of the forked call child: confine, run the code, report on fd 3 ("status\\nechoed value"), _exit.
-    Inherited from the server as they are: no_new_privs, and sys.stdin/stdout/stderr (fds 0-2, re-pointed here)."""
+def set_limits(request: dict, base_bytes: int | None) -> None:
+    """Hard rlimits on this process and whatever it starts: address space memory_mb beyond
+    base_bytes (none when base_bytes is None), file size, no core files, and CPU seconds (a
+    backstop: the wall clock is enforced from outside, and kills first)."""
+    if base_bytes is not None:
+        _limit(resource.RLIMIT_AS, base_bytes + (request["memory_mb"] << 20))
+    _limit(resource.RLIMIT_FSIZE, FILE_LIMIT_MB << 20)
+    _limit(resource.RLIMIT_CORE, 0)
+    _limit(resource.RLIMIT_CPU, int(request["timeout"]) + 2)
+
+
+def utf8_std_streams() -> None:
+    """UTF-8 std streams whatever the locale: bad input bytes replaced, unencodable output escaped,
+    so a call's output always goes back. (Also flushes: no stray output is inherited by a fork.)"""
+    for stream, errors in ((sys.stdin, "replace"), (sys.stdout, "backslashreplace"),
+                           (sys.stderr, "backslashreplace")):
+        stream.reconfigure(encoding="utf-8", errors=errors)
+
+
+def _vm_bytes() -> int:
+    """This process's address-space size, from /proc (with os calls: cheaper in the server than a
+    file object)."""
+    fd = os.open("/proc/self/statm", os.O_RDONLY)
     try:
-        # After the server's gc.freeze() the collector counts no long-lived objects, so the first collection that
-        # reaches the oldest generation runs a full one: 2 ms of a 3 ms trivial call, most of it copy-on-write
-        # faults. A short call allocates far fewer objects than this threshold and never collects; a long one does.
+        return int(os.read(fd, 100).split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------- the call child of a server
+def _child(request: dict, workdir: str, vm_bytes: int, fds: list[int], as_root: bool,
+           namespaced: bool):
+    """Body of the forked call child: confine, run the code, report on fd 3 ("status\\nechoed
+    value"), _exit. Inherited from the server as they are: no_new_privs, and sys.stdin/stdout/stderr
+    (fds 0-2, re-pointed here)."""
+    try:
+        # After the server's gc.freeze() the collector counts no long-lived objects, so the first
+        # collection that reaches the oldest generation would run a full one, most of it
+        # copy-on-write faults. A short call allocates far fewer objects than this threshold and
+        # never collects; a long one does.
         gc.set_threshold(CHILD_GC_THRESHOLD)
         if not namespaced:  # (in a PID namespace, the server's death ends every process in it)
             _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # dies with its server
         os.setsid()  # its own process group: killpg(0) reaches only the call's processes
-        for target, fd in enumerate(fds):  # stdin memfd, stdout, stderr, control pipe -> fds 0, 1, 2, 3
+        for target, fd in enumerate(fds):  # stdin memfd, stdout, stderr, control -> fds 0, 1, 2, 3
             os.dup2(fd, target)
         os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # the server's protocol pipes, memfds, ...
         os.chdir(workdir)
-        _limit(resource.RLIMIT_AS, vm_bytes + (request["memory_mb"] << 20))  # memory_mb beyond the warm server
-        _limit(resource.RLIMIT_FSIZE, FILE_LIMIT_MB << 20)
-        _limit(resource.RLIMIT_CORE, 0)
-        _limit(resource.RLIMIT_CPU, int(request["timeout"]) + 2)  # backstop; the server's wall clock kills first
+        set_limits(request, vm_bytes)  # memory_mb beyond the warm server
         if as_root:  # (for the caller's own uid, NPROC would count the caller's threads too)
             _limit(resource.RLIMIT_NPROC, NPROC_LIMIT)
             os.setgroups([])
             os.setresgid(NOBODY, NOBODY, NOBODY)
             os.setresuid(NOBODY, NOBODY, NOBODY)
-        _signal.signal(_signal.SIGTERM, _signal.SIG_DFL)  # (_signal: signal.signal wraps the result in an enum)
+        _signal.signal(_signal.SIGTERM, _signal.SIG_DFL)  # (signal.signal would make an enum)
         _signal.signal(_signal.SIGINT, _signal.default_int_handler)
         tempfile.tempdir, sys.argv, sys.path[0] = workdir, [""], workdir
-        if "numpy.random" in sys.modules:  # its global RandomState was copied from the server (`random` reseeds)
-            sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))  # seed(None) costs 0.7 ms
+        if "numpy.random" in sys.modules:  # its global state is the server's (`random` reseeds)
+            seed = int.from_bytes(os.urandom(4), "little")  # (seed(None) is slow)
+            sys.modules["numpy.random"].seed(seed)
     except BaseException as exc:
         os.write(3, f"crash\nsandbox setup failed: {exc!r}".encode())
         os._exit(125)
     status, echo = execute(request["code"], request["echo"])
     record = f"{status}\n{echo}".encode("utf-8", "backslashreplace")
     for finish in (sys.stdout.flush, sys.stderr.flush, lambda: os.write(3, record)):
-        with contextlib.suppress(BaseException):  # the code may have closed them; the exit code still tells ok/error
+        with contextlib.suppress(BaseException):  # the code may have closed them (exit code tells)
             finish()
-    os.closerange(1, 4)  # last word said: the server answers now, not after the kernel unmaps this process
+    os.closerange(1, 4)  # last word said: the server answers now, not once the kernel unmaps us
     os._exit(0 if status == "ok" else 1)
 
 
-# ----------------------------------------------------------------------------------- the worker server
+# -------------------------------------------------------------------------------- the worker server
 def _descendants(root: int) -> list[int]:
     """Pids below root, from /proc (used where the server is not a PID namespace's init)."""
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         try:
             with open(f"/proc/{name}/stat") as f:
-                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(name))
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(name))
         except (ValueError, OSError, IndexError):
             continue
     found, stack = [], [root]
@@ -179,10 +248,11 @@ def _descendants(root: int) -> list[int]:
 
 
 def kill_descendants(reap: bool = True) -> None:
-    """SIGKILL every process below this server (the call child and whatever it left behind); reap: and wait until
-    every one is gone. (A process with SIGKILL pending runs no more of its code.)"""
+    """SIGKILL every process below this server (the call child and whatever it left behind); reap:
+    and wait until every one is gone. (A process with SIGKILL pending runs no more of its code.)"""
     while True:
-        for pid in [-1] if os.getpid() == 1 else _descendants(os.getpid()):  # kill(-1) from init: all but itself
+        # kill(-1) from a PID namespace's init reaches every process in it but the init
+        for pid in [-1] if os.getpid() == 1 else _descendants(os.getpid()):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         if not reap:
@@ -190,17 +260,20 @@ def kill_descendants(reap: bool = True) -> None:
         try:
             if os.waitpid(-1, os.WNOHANG)[0] == 0:
                 time.sleep(0.001)
-        except ChildProcessError:  # no children left; orphans reparent to us (init or subreaper), so none anywhere
+        except ChildProcessError:  # none left; orphans reparent to us (init or subreaper)
             return
 
 
-def _watch(pid: int, reads: list[int], deadline: float, cap: int) -> tuple[str | None, int | None, list[bytearray]]:
-    """Collect the call's pipes until the call is done, the deadline passes or a stream passes cap bytes. Done: its
-    child wrote its status record and closed every pipe (the common case), or it exited. Then kill everything the
-    call left and drain the pipes; reap here, unless the child was done before its exit: then the wait status is
-    None and serve_call reaps after answering (the kernel's unmapping of a child takes ~0.3 ms, which the caller
-    need not wait for). Returns (reason it was killed or None, wait status or None, bytes)."""
-    pidfd, poller, bufs, reason = os.pidfd_open(pid), select.poll(), [bytearray() for _ in reads], None
+def _watch(pid: int, reads: list[int], deadline: float,
+           cap: int) -> tuple[str | None, int | None, list]:
+    """Collect the call's pipes until the call is done, the deadline passes or a stream passes cap
+    bytes. Done: its child wrote its status record and closed every pipe (the common case), or it
+    exited. Then kill everything the call left and drain the pipes; reap here, unless the child was
+    done before its exit: then the wait status is None and serve_call reaps after answering (the
+    caller need not wait for the kernel to unmap the child). Returns (reason it was killed or None,
+    wait status or None, bytes)."""
+    pidfd, poller, reason = os.pidfd_open(pid), select.poll(), None
+    bufs = [bytearray() for _ in reads]
     for fd in reads + [pidfd]:
         poller.register(fd, select.POLLIN)
     open_reads, done_early = set(reads), False
@@ -219,7 +292,8 @@ def _watch(pid: int, reads: list[int], deadline: float, cap: int) -> tuple[str |
                 open_reads.discard(fd)
             elif len(buf) > cap:
                 reason = "output_limit"
-        done_early = not open_reads and bufs[2].partition(b"\n")[0].decode("utf-8", "replace") in STATUSES
+        word = bufs[2].partition(b"\n")[0].decode("utf-8", "replace")
+        done_early = not open_reads and word in STATUSES
     wait_status = None
     if done_early:
         kill_descendants(reap=False)
@@ -228,7 +302,7 @@ def _watch(pid: int, reads: list[int], deadline: float, cap: int) -> tuple[str |
             os.kill(pid, signal.SIGKILL)
         wait_status = os.waitpid(pid, 0)[1]
         kill_descendants()
-        for fd, buf in zip(reads, bufs):  # every writer is dead now; non-blocking in case one escaped anyway
+        for fd, buf in zip(reads, bufs):  # every writer is dead; non-blocking in case one escaped
             os.set_blocking(fd, False)
             with contextlib.suppress(BlockingIOError):
                 while len(buf) <= cap and (chunk := os.read(fd, 1 << 16)):
@@ -238,45 +312,12 @@ def _watch(pid: int, reads: list[int], deadline: float, cap: int) -> tuple[str |
     return reason or ("output_limit" if max(map(len, bufs)) > cap else None), wait_status, bufs
 
 
-def describe(reason: str | None, wait_status: int | None, bufs: list[bytearray], timeout: float, cap: int) -> dict:
-    """The outcome as ToolResult fields, from why we killed the call (if we did), how it exited, and its bytes
-    (stdout, stderr, control: "status\\necho" written by the child's runner as its last act)."""
-    out, err, ctl = (bytes(b[:cap]).decode("utf-8", "replace") for b in bufs)
-    word, _, echo = ctl.partition("\n")
-    note = ""
-    if reason == "timeout":
-        status, note = reason, f"killed after {timeout:g} s"
-    elif reason:
-        status, note = reason, f"killed after {cap} bytes of output"
-    elif word in STATUSES:
-        status, note = word, echo if word == "crash" else ""
-    elif os.WIFSIGNALED(wait_status):
-        sig = signal.Signals(os.WTERMSIG(wait_status))
-        status, note = ("timeout" if sig == signal.SIGXCPU else "crash"), f"killed by {sig.name}"
-    else:  # os._exit(n) or fd 3 closed by the code: only the exit code is known
-        code = os.WEXITSTATUS(wait_status)
-        status, note = ("ok", "") if code == 0 else ("error", f"exit code {code}")
-    if status == "ok" and not out and echo:
-        out = echo + "\n"
-    if note:
-        err += ("" if err.endswith("\n") or not err else "\n") + note + "\n"
-    return {"status": status, "stdout": out, "stderr": err}
-
-
-def _vm_bytes() -> int:
-    """This process's address-space size (read with os calls: cheaper in the server than a Python file object)."""
-    fd = os.open("/proc/self/statm", os.O_RDONLY)
-    try:
-        return int(os.read(fd, 100).split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    finally:
-        os.close(fd)
-
-
 def serve_call(request: dict, base: str, as_root: bool, namespaced: bool, answer) -> None:
-    """Fork one call child in a fresh directory, watch it, remove the directory, answer(the outcome as ToolResult
-    fields), then reap what is left to reap. Every process of the call is killed before the answer."""
+    """Fork one call child in a fresh directory, watch it, remove the directory, answer(the outcome
+    as ToolResult fields), then reap what is left to reap. Every process of the call is killed
+    before the answer."""
     workdir = tempfile.mkdtemp(prefix="call-", dir=base)
-    os.environ.update(HOME=workdir, TMPDIR=workdir)  # here, not in the child: no copy-on-write faults
+    os.environ.update(HOME=workdir, TMPDIR=workdir)  # here, not in the child: fewer page faults
     if as_root:
         os.chown(workdir, NOBODY, NOBODY)
     stdin_fd = os.memfd_create("stdin")
@@ -287,19 +328,22 @@ def serve_call(request: dict, base: str, as_root: bool, namespaced: bool, answer
     start = time.monotonic()
     if (pid := os.fork()) == 0:
         try:
-            _child(request, workdir, vm_bytes, [stdin_fd] + [w for _, w in pipes], as_root, namespaced)
+            fds = [stdin_fd] + [w for _, w in pipes]
+            _child(request, workdir, vm_bytes, fds, as_root, namespaced)
         finally:
             os._exit(125)  # whatever happens, a child never returns into the server loop
     for fd in [stdin_fd] + [w for _, w in pipes]:
         os.close(fd)
-    reason, wait_status, bufs = _watch(pid, [r for r, _ in pipes], start + request["timeout"], request["max_bytes"])
+    deadline, cap = start + request["timeout"], request["max_bytes"]
+    reason, wait_status, bufs = _watch(pid, [r for r, _ in pipes], deadline, cap)
     elapsed = time.monotonic() - start
     try:
         os.rmdir(workdir)  # the common case: the code wrote no files
     except OSError:
         shutil.rmtree(workdir, ignore_errors=True)
-    answer({**describe(reason, wait_status, bufs, request["timeout"], request["max_bytes"]), "elapsed": elapsed})
-    if wait_status is None:  # killed while it was exiting: reap it (back as soon as it is unmapped) and the rest
+    returncode = None if wait_status is None else os.waitstatus_to_exitcode(wait_status)
+    answer({**describe(reason, returncode, bufs, request["timeout"], cap), "elapsed": elapsed})
+    if wait_status is None:  # killed while it was exiting: reap it (once unmapped) and the rest
         os.waitpid(pid, 0)
         kill_descendants()
 
@@ -310,19 +354,45 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str |
         raise OSError(ctypes.get_errno(), f"mount {source} on {target}")
 
 
+def private_scratch(base: str, size_mb: int) -> None:
+    """Cover base with a tmpfs of size_mb, in this process's own mount namespace: the call
+    directories, and so a call's files there, hold at most size_mb of RAM in all (writes past it
+    fail with ENOSPC). Not root: first enter a user namespace of our own (our uid and gid mapped to
+    themselves), whose capabilities allow the mount, then drop them all, so no call can unmount it.
+    Call while single-threaded and still dumpable."""
+    as_root = os.geteuid() == 0
+    if not as_root:
+        uid, gid = os.getuid(), os.getgid()
+        if _libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER | CLONE_NEWNS)")
+        maps = {"setgroups": "deny", "uid_map": f"{uid} {uid} 1", "gid_map": f"{gid} {gid} 1"}
+        for name, text in maps.items():
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    os.makedirs(base, exist_ok=True)
+    _mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,mode=0711")
+    if not as_root:
+        header, data = (ctypes.c_uint32 * 2)(LINUX_CAPABILITY_VERSION_3, 0), (ctypes.c_uint32 * 6)()
+        if _libc.capset(header, data) != 0:  # effective, permitted and inheritable sets all empty
+            raise OSError(ctypes.get_errno(), "capset")
+
+
 def expose_python_to_nobody() -> None:
-    """Root, in the server's private mount namespace: cover each directory nobody cannot enter on the way to the
-    Python install (e.g. /root, mode 0700) with a tmpfs and bind the install back, so imports work after the uid drop.
-    This also hides the rest of that directory (root's keys, caches) from the code."""
-    roots = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, *sys.path) if p and os.path.isdir(p)})
+    """Root, in the server's private mount namespace: cover each directory nobody cannot enter on
+    the way to the Python install (e.g. /root, mode 0700) with a tmpfs and bind the install back, so
+    imports work after the uid drop. This also hides the rest of that directory (root's keys,
+    caches) from the code."""
+    places = (sys.prefix, sys.base_prefix, *sys.path)
+    roots = sorted({os.path.realpath(p) for p in places if p and os.path.isdir(p)})
     hidden: dict[str, list[str]] = {}
     for path in [p for p in roots if not any(p.startswith(q + "/") for q in roots)]:
         parts = path.split("/")
-        closed = [d for d in ("/".join(parts[:i]) for i in range(2, len(parts) + 1)) if not os.stat(d).st_mode & 1]
+        ancestors = ["/".join(parts[:i]) for i in range(2, len(parts) + 1)]
+        closed = [d for d in ancestors if not os.stat(d).st_mode & 1]
         if closed:  # the first ancestor without the execute bit for "other"
             hidden.setdefault(closed[0], []).append(path)
     for top, paths in hidden.items():
-        keep = [os.open(p, os.O_PATH) for p in paths]  # handles to the originals before the tmpfs covers them
+        keep = [os.open(p, os.O_PATH) for p in paths]  # the originals, before the tmpfs covers them
         _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
         for path, fd in zip(paths, keep):
             os.makedirs(path, exist_ok=True)
@@ -330,35 +400,40 @@ def expose_python_to_nobody() -> None:
             os.close(fd)
 
 
-def serve(preload: list[str], base: str) -> None:
-    """Worker server main: warm up, then answer each JSON request line with one JSON reply line, until EOF.
-    base: the directory (made by the caller, which removes it) that holds one fresh directory per call."""
+def serve(preload: list[str], scratch_mb: int, base: str) -> None:
+    """Worker server main: warm up, then answer each JSON request line with one JSON reply line,
+    until EOF. base: the directory (made by the caller, which removes it) that holds one fresh
+    directory per call; scratch_mb > 0: cover it with a tmpfs of that size first (in the server's
+    own mount namespace)."""
     proto_in, proto_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)  # a stray print can never corrupt the protocol
     os.close(null)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _libc.prctl(PR_SET_DUMPABLE, 0)  # a same-uid call child cannot ptrace its server
     as_root, namespaced = os.geteuid() == 0, os.getpid() == 1
-    if not namespaced:  # (as a namespace's init, signals without a handler cannot reach us from the calls)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # close(): unwind through the finally below
-        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of a call reparent to us, where kill_descendants finds them
     if as_root and namespaced:
         try:
             expose_python_to_nobody()
-        except OSError as exc:  # imports not preloaded may then fail for the call; everything else holds
-            print(f"code_tool: cannot expose the Python install to uid {NOBODY}: {exc}", file=sys.stderr)
+        except OSError as exc:  # imports not preloaded may then fail for the call; all else holds
+            print(f"code_tool: cannot expose the Python install to uid {NOBODY}: {exc}",
+                  file=sys.stderr)
+    if scratch_mb:
+        private_scratch(base, scratch_mb)
+    _libc.prctl(PR_SET_DUMPABLE, 0)  # a same-uid call child cannot ptrace its server
+    if not namespaced:  # (a namespace's init gets no signal it has no handler for from the calls)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # close(): unwind through the finally
+        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1)  # a call's orphans reparent to us: kill_descendants
     for name in preload:
         with contextlib.suppress(Exception):
             __import__(name)
     if {"numpy", "sympy"} <= set(preload):
         exec(WARMUP, {})  # lazy imports and caches filled once, here, not in every call
-    # What every call child inherits, set once here. No new privileges: setuid binaries cannot give the code any.
-    # The std streams (the child points fds 0-2 at its pipes): opening three new ones cost each child 60 faults.
+    # What every call child inherits, set once here. No new privileges: setuid binaries give the
+    # code none. The std streams (the child points fds 0-2 at its pipes): new ones would cost every
+    # child.
     _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    for stream, errors in ((sys.stdin, "replace"), (sys.stdout, "backslashreplace"), (sys.stderr, "backslashreplace")):
-        stream.reconfigure(encoding="utf-8", errors=errors)  # (also flushes: no stray output is inherited)
+    utf8_std_streams()
     gc.freeze()  # the warm heap stays out of the children's collections: fewer copy-on-write faults
     try:
         def answer(reply: dict) -> None:
@@ -372,7 +447,45 @@ def serve(preload: list[str], base: str) -> None:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def probe(base: str) -> None:
+    """Run by code_tool's sandbox probe under unshare: print this process's pid (1 in a new PID
+    namespace) and why private_scratch fails here ("" when it works)."""
+    try:
+        private_scratch(base, 1)
+        error = ""
+    except OSError as exc:
+        error = str(exc)
+    print(json.dumps({"pid": os.getpid(), "scratch_error": error}))
+
+
+# --------------------------------------------------------------------------- the subprocess backend
+def run_once(call_dir: str) -> None:
+    """A call under the subprocess backend (code_tool.RUN_ONCE): this fresh interpreter is the call
+    child. The caller wrote CALL_DIR/request.json, opened stdin, stdout and stderr on files in
+    CALL_DIR and made CALL_DIR/work the working directory ($HOME, $TMPDIR); this sets the limits
+    (here, not in a preexec_fn, which is unsafe in a threaded caller), runs the code and writes the
+    status record to CALL_DIR/status."""
+    with open(os.path.join(call_dir, "request.json"), encoding="utf-8") as f:
+        request = json.load(f)
+    workdir = os.path.join(call_dir, "work")
+    if resource is not None:  # POSIX; memory only where the address space can be read (Linux)
+        set_limits(request, _vm_bytes() if sys.platform.startswith("linux") else None)
+    tempfile.tempdir, sys.argv, sys.path[0] = workdir, [""], workdir
+    utf8_std_streams()
+    status, echo = execute(request["code"], request["echo"])
+    for flush in (sys.stdout.flush, sys.stderr.flush):
+        with contextlib.suppress(BaseException):  # the code may have closed them
+            flush()
+    with contextlib.suppress(OSError), open(os.path.join(call_dir, "status"), "wb") as f:
+        f.write(f"{status}\n{echo}".encode("utf-8", "backslashreplace"))
+    os._exit(0 if status == "ok" else 1)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["--serve"]:
-        sys.exit("usage: code_sandbox.py --serve MODULE,MODULE,... BASE_DIR  (started by code_tool.CodeTool)")
-    serve([m for m in sys.argv[2].split(",") if m], sys.argv[3])
+    if sys.argv[1:2] == ["--serve"] and len(sys.argv) == 5:
+        serve([m for m in sys.argv[2].split(",") if m], int(sys.argv[3]), sys.argv[4])
+    elif sys.argv[1:2] == ["--probe"] and len(sys.argv) == 3:
+        probe(sys.argv[2])
+    else:
+        sys.exit("usage: code_sandbox.py --serve MODULE,MODULE,... SCRATCH_MB BASE_DIR | "
+                 "--probe DIR  (started by code_tool.CodeTool)")

@@ -1,49 +1,77 @@
-"""The model's only tool, `execute_python_code_with_standard_io(code, input)` (rstar2-agent.md sections 2 and 5).
+"""The model's only tool, `execute_python_code_with_standard_io(code, input)` (report sec. 2, 5).
 
-Each call runs `code` in a fresh interpreter state with `input` on stdin and returns what a notebook shows: stdout;
-if nothing was printed and the code ends in a bare expression other than None, that value's repr (`x = 1` shows
-nothing); on error the traceback, cut to the frames of the model's code. `ToolResult.render()` is the text the model
-reads: the status word, a newline, then stdout and stderr cut in the middle ("ok\n4\n" for `print(2+2)`).
+Each call runs `code` in a fresh interpreter state with `input` on stdin and returns what a notebook
+shows: stdout; if nothing was printed and the code ends in a bare expression other than None, that
+value's repr (`x = 1` shows nothing); on error the traceback, cut to the frames of the model's code.
+`ToolResult.render()` is the text the model reads: the status word, a newline, then stdout and
+stderr cut in the middle ("ok\\n4\\n" for `print(2+2)`). The caller parses the code once, to route
+it and to find the expression a notebook echoes.
 
-Design (the report's separate code service, on one machine): the caller never forks. It starts W worker servers
-(code_sandbox.py) with subprocess and talks JSON lines to all of them from one thread (_Pool). A server imports
-numpy, sympy, ... once (PRELOAD), then forks a child per call (a "zygote": about 3 ms of CPU against 15-18 ms for a
-new python, 0.5 s or more with sympy). Half the servers preload only the standard-library modules: a call whose code
-imports nothing else (`needs_heavy`) goes to one of those, whose fork costs about half; heavy servers help with such
-calls only where a core may be free (pick_lane). The caller parses the code once, to route it and to find the
-expression a notebook echoes. The child drops to uid 65534 (nobody) when the server is root, sets hard rlimits
-(address space, file size, core, CPU), chdirs to a fresh temporary directory (also $HOME and $TMPDIR), reads stdin
-from a memfd and writes into pipes. The fork is the fresh state: builtins patched, chdir, closed descriptors,
-os._exit or a segfault end with the child. The server enforces the wall-clock timeout from outside with SIGKILL (no
-code can ignore or block it) and stops reading at max_output_bytes per stream, killing the call. When the call ends,
-every process it left (setsid() grandchildren, double-forked daemons) is killed (SIGKILL: it runs no more code)
-before the result goes back, and reaped; threads die with it. The result goes back as soon as the child has written
-its status and closed its pipes, without waiting for the kernel to unmap it. code_sandbox.py's docstring says what a
-call costs and why the server imports so little.
+Two backends behind one interface (`submit`, `run`, `run_batch`, a context manager, the same
+`ToolResult`s, timeouts and output caps); `backend="auto"` picks "servers" where os.fork,
+os.pidfd_open and os.memfd_create work (Linux), else "subprocess":
+- "servers" (Linux): the report's separate code service, on one machine. The caller never forks: it
+  starts W worker servers (code_sandbox.py) with subprocess and talks JSON lines to all of them from
+  one thread (_Pool). A server imports numpy, sympy, ... once (PRELOAD), then forks a child per
+  call, so a call costs a fork, not an interpreter start and sympy's import. Half the servers
+  preload only the standard-library modules: a call whose code imports nothing else (`needs_heavy`)
+  goes to one of those, whose fork costs about half; heavy servers help with such calls only where a
+  core may be free (pick_lane). The server enforces the wall-clock timeout from outside with
+  SIGKILL, stops reading at max_output_bytes per stream (killing the call), and kills every process
+  the call left before the result goes back. code_sandbox.py says what a call costs.
+- "subprocess" (any platform): a new interpreter per call (code_sandbox.run_once), watched by one
+  of W threads of the caller (_Subprocesses): the same limits where the platform has them, at the
+  price of an interpreter start per call, and sympy's import in every call that uses it. It is less
+  isolated (below); the tool says so once on stderr when it is chosen.
 
-Sandbox levels (`CodeTool.sandbox`):
-- "namespaces" (util-linux `unshare` works, root or not): each server is init of its own PID, mount and network
-  namespace (`unshare --pid --fork --kill-child --mount-proc --net`, plus `--user --map-current-user`, hence no
-  capabilities, when not root). The call cannot name the caller's pid, kill(-1) from the server removes all leftovers,
-  killing the server ends the namespace, and there is no network (not even loopback). As root the server also covers
-  directories nobody cannot enter on the way to the Python install (e.g. /root, 0700) with a tmpfs in its private
-  mount namespace and binds the install back, so the unprivileged child can still import modules lazily.
-- "fallback" (no usable unshare, e.g. a container without CAP_SYS_ADMIN or user namespaces): same fork, rlimits and
-  uid drop; leftovers found by walking /proc below the server (a child subreaper). Network NOT blocked. A non-root
-  caller's code runs as the caller's uid and could signal its other processes; a root caller's code runs as nobody
-  and cannot import modules from a Python under /root beyond those the server holds (PRELOAD and code_sandbox's).
-A server that dies or stops answering is replaced and the call it held reports "crash"; close(), garbage collection
-and interpreter exit end every process the tool started (a caller killed with SIGKILL leaves servers that exit at
-EOF on their stdin, after at most one call).
+A server that dies or stops answering is replaced and its call reports "crash"; close(), garbage
+collection and interpreter exit end every process the tool started.
 
-Not covered: this is not a security boundary against a determined attacker (no seccomp; the kernel is exposed). The
-filesystem is NOT blocked: code can read world-readable files and write world-writable places (/tmp, /dev/shm),
-where files outlive the call (each capped at code_sandbox.FILE_LIMIT_MB). memory_mb caps each process's address
-space beyond the warm server's, not the sum over processes a call starts. Fork bombs stop at
-code_sandbox.NPROC_LIMIT processes as nobody, and otherwise only at the timeout. CPU is shared between calls only by
-the kernel scheduler.
+Sandbox modes (`CodeTool.sandbox`; `CodeTool.sandbox_line` says it in one line, which train.py and
+eval.py print and save as sandbox.txt in their run folder). In every mode: the wall-clock timeout,
+the output cap, a fresh directory per call as cwd, $HOME and $TMPDIR (removed after the call), and
+an environment with only PATH, PYTHONPATH and LD_LIBRARY_PATH of the caller's (and SYSTEMROOT on
+Windows).
+- "namespaces" (servers; util-linux `unshare` works, as root or in a user namespace): each server is
+  init of its own PID, mount and network namespace. Protects: no network (not even loopback); the
+  caller's processes can be neither seen nor signalled; every process a call starts is killed when
+  it ends; memory_mb caps the address space of each process; files are capped at
+  code_sandbox.FILE_LIMIT_MB each and a call's directory at code_sandbox.SCRATCH_MB in all (a tmpfs
+  in the server's mount namespace, so RAM); no new privileges (setuid binaries give none), no core
+  files, CPU time capped. As root, the code runs as nobody (at most code_sandbox.NPROC_LIMIT
+  processes), and directories nobody cannot enter on the way to the Python install (e.g. /root) are
+  covered by an empty tmpfs. Does not protect, when not root: the code runs as your uid and can read
+  and WRITE your files (home directory included).
+- "fallback-root" (servers; no usable unshare, e.g. a container without CAP_SYS_ADMIN; caller is
+  root): the code runs as nobody with the same rlimits; leftover processes are found by walking
+  /proc below the server (a child subreaper). Does not protect: the network is open; every process
+  is visible (none signallable); the call directories are on disk, capped per file only; a Python
+  install under /root gives the code only the modules the server holds (PRELOAD, code_sandbox's).
+- "fallback-user" (servers; no usable unshare, e.g. unprivileged user namespaces disabled; not
+  root): as fallback-root, but the code runs as your uid: it can read and WRITE your files, read the
+  environment of your processes (/proc/PID/environ: tokens, keys) and signal them, the trainer
+  included; the network is open.
+- "subprocess" (the portable backend): the code runs as your uid (as root, when the caller is root).
+  POSIX: rlimits on file size, core files and CPU time, on Linux memory_mb too (beyond a fresh
+  interpreter's size, so what the code imports counts), and the call's process group is killed when
+  it ends. Does not protect: the network is open; your files are readable and writable; its parent
+  is the caller, so `os.kill(os.getppid(), 9)` ends the caller; a process that leaves the group with
+  setsid() outlives the call; no process cap, no new-privileges flag; the call directory is on disk,
+  capped per file only; no memory cap off Linux; on Windows, no rlimits at all, and only the
+  interpreter itself is killed.
 
-Demo: `.venv/bin/python code_tool.py`. Tests: tests/test_code_tool.py. Benchmark: bench/code_tool.py.
+`require_isolation=True` (config field `tool_require_isolation`) refuses to start in any mode but
+"namespaces".
+
+Not covered in any mode: this is not a security boundary against a determined attacker (no seccomp;
+the kernel is exposed). Code can read world-readable files and write world-writable places (/tmp,
+/dev/shm), where files outlive the call (capped per file only). memory_mb caps each process, not the
+sum over the processes a call starts. CPU is shared between calls only by the kernel scheduler. A
+caller killed with SIGKILL leaves servers that exit at EOF on their stdin, after at most one call
+(subprocess backend: running calls end at their CPU limit or when they finish).
+
+Demo: `.venv/bin/python code_tool.py [subprocess]`. Tests: tests/test_code_tool.py. Benchmark:
+bench/code_tool.py.
 """
 from __future__ import annotations
 
@@ -51,8 +79,11 @@ import ast
 import contextlib
 import json
 import os
+import queue
+import re
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,20 +95,27 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import code_sandbox
-from code_sandbox import PRELOAD, echo_span
+from code_sandbox import PRELOAD, SCRATCH_MB
 
-REPLY_GRACE_S = 10.0  # the caller declares a server dead when no reply comes timeout + this many seconds after sending
+BACKENDS = ("auto", "servers", "subprocess")  # CodeTool(backend=...), config field tool_backend
+REPLY_GRACE_S = 10.0  # a server is dead when no reply comes this long after the call's timeout
 READY_TIMEOUT_S = 120.0  # how long a starting server may take to import PRELOAD
-LIGHT_HELP_AFTER_S = 0.1  # a light call running longer is "slow": heavy servers help when too few light ones are quick
+LIGHT_HELP_AFTER_S = 0.1  # a light call running longer is "slow": heavy servers may then help
+POLL_S = 0.005  # subprocess backend: how often the running calls' deadlines and outputs are checked
+ENV_KEPT = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "SYSTEMROOT")  # the caller's, kept for calls
+SANDBOX_PY = os.path.abspath(code_sandbox.__file__)
+# a subprocess-backend call: imported, not run as a script, so that its compiled bytecode is reused
+RUN_ONCE = (f"import sys; sys.path[0] = {os.path.dirname(SANDBOX_PY)!r}; import code_sandbox; "
+            "code_sandbox.run_once(sys.argv[1])")
 
 
 @dataclass
 class ToolResult:
     status: str  # one of code_sandbox.STATUSES
-    stdout: str = ""  # what the code printed (decoded with replacement), or the echoed value of its last expression
-    stderr: str = ""  # what it wrote to stderr, then the compact traceback or the reason it was stopped
-    elapsed: float = 0.0  # seconds from fork to the child's last word or exit, on the server (no queueing)
-    max_chars: int = field(default=1000, repr=False)  # render()'s default cut, the tool's max_output_chars
+    stdout: str = ""  # what the code printed (bad bytes replaced), or its echoed last expression
+    stderr: str = ""  # what it wrote to stderr, then the compact traceback or why it was stopped
+    elapsed: float = 0.0  # seconds the call ran (servers: from the fork; subprocess: from Popen)
+    max_chars: int = field(default=1000, repr=False)  # render()'s default cut: max_output_chars
 
     @property
     def ok(self) -> bool:
@@ -93,16 +131,17 @@ class ToolResult:
 
 
 def cut_middle(text: str, max_chars: int) -> str:
-    """Keep the first and last max_chars/2 characters, with a marker saying how many were cut between them."""
+    """Keep the first and last max_chars/2 characters, with a marker saying how many were cut."""
     if len(text) <= max_chars:
         return text
-    head = max_chars // 2
-    return f"{text[:head]}\n...[{len(text) - max_chars} chars cut]...\n{text[len(text) - (max_chars - head):]}"
+    head, tail = max_chars // 2, len(text) - (max_chars - max_chars // 2)
+    return f"{text[:head]}\n...[{len(text) - max_chars} chars cut]...\n{text[tail:]}"
 
 
 def parse(code: str) -> ast.Module | None:
-    """The code's syntax tree, or None where it does not parse: the call child then compiles it and reports the
-    SyntaxError (or the ValueError of a null byte, the RecursionError of deep nesting) as the code's error."""
+    """The code's syntax tree, or None where it does not parse: the call child then compiles it and
+    reports the SyntaxError (or the ValueError of a null byte, the RecursionError of deep nesting)
+    as the code's error."""
     try:
         return ast.parse(code)
     except Exception:
@@ -110,66 +149,180 @@ def parse(code: str) -> ast.Module | None:
 
 
 def needs_heavy(code: str, tree: ast.Module | None) -> bool:
-    """Whether a call should go to a server with the third-party PRELOAD modules (numpy, sympy): True when the code
-    imports anything outside the standard library, or imports dynamically. tree: parse(code); code that does not
-    parse is light (it fails at once anywhere). A wrong guess only costs time: a light server imports what it must."""
+    """Whether a call should go to a server with the third-party PRELOAD modules (numpy, sympy):
+    True when the code imports anything outside the standard library, or imports dynamically. tree:
+    parse(code); code that does not parse is light (it fails at once anywhere). A wrong guess only
+    costs time: a light server imports what it must."""
     if "__import__" in code or "importlib" in code:
         return True
     for node in ast.walk(tree) if tree else ():
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
         if any(name.split(".")[0] not in sys.stdlib_module_names for name in names):
             return True
     return False
 
 
+def echo_span(code: str, tree: ast.Module | None) -> list[int] | None:
+    """Where the expression a notebook echoes sits in code: [start, end, line] (character offsets
+    and line number) when the last top-level statement is a bare expression, else None. tree:
+    ast.parse(code), None where code does not parse (the child compiles it and reports the
+    SyntaxError). Runs in the caller, which parses anyway."""
+    if tree is None or not tree.body or not isinstance(last := tree.body[-1], ast.Expr):
+        return None
+    # where each line starts, as Python counts lines
+    starts = [0] + [m.end() for m in re.finditer(r"\r\n?|\n", code)]
+
+    def offset(line: int, byte_col: int) -> int:  # ast's columns count UTF-8 bytes
+        begin = starts[line - 1]
+        return begin + len(code[begin:begin + byte_col].encode()[:byte_col].decode())
+    start, end = offset(last.lineno, last.col_offset), offset(last.end_lineno, last.end_col_offset)
+    return [start, end, last.lineno]
+
+
 def default_workers() -> int:
-    """Four servers per core: calls that sleep, or burn a core until their timeout, leave the others work to do;
-    each warm server holds about 70 MB (numpy + sympy)."""
+    """Four servers per core: calls that sleep, or burn a core until their timeout, leave the others
+    work to do; each warm server holds about 70 MB (numpy + sympy)."""
     return 4 * (os.cpu_count() or 1)
 
 
-# ----------------------------------------------------------------------------------- the caller side
-_SANDBOX: tuple[str, list[str]] | None = None
+# --------------------------------------------------------------------- which sandbox, and saying so
+@dataclass(frozen=True)
+class Sandbox:
+    """Where a CodeTool runs the model's code on this machine (the module docstring's modes)."""
+    mode: str  # namespaces | fallback-root | fallback-user | subprocess
+    prefix: tuple = ()  # the command each server starts under (unshare ...); () without namespaces
+    scratch_mb: int = 0  # call directories on a tmpfs of this size; 0: on disk, capped per file
+    why: str = ""  # why a less isolated mode is used
+
+    def line(self) -> str:
+        """One line for the user: what the model's code can reach here."""
+        root = hasattr(os, "geteuid") and os.geteuid() == 0
+        files = "every file writable" if root else "your files writable"
+        user = "root" if root else "your user"
+        text = {
+            "namespaces": f"code runs as {'nobody' if root else user} in its own PID, mount and "
+                          "network namespaces: no network, the caller's processes out of reach"
+                          + ("" if root else f", {files}"),
+            "fallback-root": "no namespaces: code runs as nobody, network OPEN, other users' "
+                             "processes visible",
+            "fallback-user": f"no namespaces: code runs as your user, network OPEN, {files}, your "
+                             "processes (the trainer too) and their environments within reach",
+            "subprocess": f"a new Python per call, slower: code runs as {user}, network OPEN, "
+                          f"{files}, your processes within reach (the caller too)",
+        }[self.mode]
+        scratch = "call files on disk, capped per file"
+        if self.scratch_mb:
+            scratch = f"call files on a {self.scratch_mb} MB tmpfs"
+        why = f"; {self.why}" if self.why else ""
+        return f"code tool sandbox: {self.mode} ({text}; {scratch}){why}"
 
 
-def sandbox_prefix() -> tuple[str, list[str]]:
-    """("namespaces", unshare command) if that works here (tried once per process), else ("fallback", [])."""
-    global _SANDBOX
-    if _SANDBOX is None:
-        _SANDBOX = ("fallback", [])
+class SandboxError(ValueError):
+    """The sandbox asked for (backend, require_isolation) is not available here."""
+
+
+_PROBED: Sandbox | None = None  # the servers' sandbox on this machine, probed once per process
+_ANNOUNCED: set[str] = set()  # sandbox lines already printed by this process
+
+
+def servers_missing() -> str:
+    """Why the worker servers cannot run here ("" where they can): they need os.fork, os.pidfd_open
+    and os.memfd_create (Linux 5.3 or later)."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+        return f"no worker servers on {sys.platform}"
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+        os.close(os.memfd_create("probe"))
+    except (AttributeError, OSError) as exc:
+        return f"no worker servers here (os.pidfd_open, os.memfd_create: {exc})"
+    return ""
+
+
+def probe_servers() -> Sandbox:
+    """The servers' sandbox here: "namespaces" if `unshare` runs a server as init of new PID, mount
+    and network namespaces (tried once per process), else "fallback-root" or "fallback-user"."""
+    global _PROBED
+    if _PROBED is None:
         user = [] if os.geteuid() == 0 else ["--user", "--map-current-user"]
-        cmd = [shutil.which("unshare") or "unshare", *user, "--pid", "--fork", "--kill-child", "--mount-proc", "--net"]
+        cmd = (shutil.which("unshare") or "unshare", *user, "--pid", "--fork", "--kill-child",
+               "--mount-proc", "--net")
+        fallback = "fallback-root" if os.geteuid() == 0 else "fallback-user"
+        base = tempfile.mkdtemp(prefix="codetool-probe-")
         try:
-            probe = subprocess.run([*cmd, sys.executable, "-c", "import os; print(os.getpid())"],
-                                   capture_output=True, text=True, timeout=30)
-            if probe.returncode == 0 and probe.stdout.strip() == "1":
-                _SANDBOX = ("namespaces", cmd)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    return _SANDBOX
+            done = subprocess.run([*cmd, sys.executable, SANDBOX_PY, "--probe", base],
+                                  capture_output=True, text=True, timeout=30)
+            found = json.loads(done.stdout) if done.returncode == 0 else {}
+            if found.get("pid") == 1:
+                error = found["scratch_error"]
+                why = f"no tmpfs for the call files: {error}" if error else ""
+                _PROBED = Sandbox("namespaces", cmd, 0 if error else SCRATCH_MB, why)
+            else:
+                error = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+                _PROBED = Sandbox(fallback, why=f"unshare failed: {error}")
+        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            _PROBED = Sandbox(fallback, why=f"unshare failed: {exc}")
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+    return _PROBED
 
 
+def choose_sandbox(backend: str = "auto", require_isolation: bool = False) -> Sandbox:
+    """The sandbox a CodeTool(backend=backend) gets on this machine. Raises SandboxError (one line)
+    for an unknown backend, "servers" where they cannot run, and require_isolation without
+    namespaces."""
+    if backend not in BACKENDS:
+        raise SandboxError(f"tool_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    missing = servers_missing()
+    if backend == "servers" and missing:
+        raise SandboxError(f"tool_backend=servers: {missing}; use auto or subprocess")
+    if backend == "subprocess" or missing:
+        sandbox = Sandbox("subprocess", why=missing or "chosen with tool_backend=subprocess")
+    else:
+        sandbox = probe_servers()
+    if require_isolation and sandbox.mode != "namespaces":
+        raise SandboxError(f"tool_require_isolation is set, but the code tool's sandbox here is "
+                           f"{sandbox.mode} ({sandbox.why}), not namespaces")
+    return sandbox
+
+
+def announce(sandbox: Sandbox) -> str:
+    """Print the sandbox's line on stderr, once per process; return it."""
+    line = sandbox.line()
+    if line not in _ANNOUNCED:
+        _ANNOUNCED.add(line)
+        print(line, file=sys.stderr, flush=True)
+    return line
+
+
+# ------------------------------------------------------------------------------ the servers backend
 class WorkerDied(Exception):
     """A worker server exited, broke the protocol or stopped answering."""
 
 
 class _Server:
-    """One worker server process and its pipes, driven by the pool (_Pool). Its state: "starting" (the ready line is
-    due by `deadline`), "idle", "busy" (on `future`, whose answer is due by `deadline`, since `since`), "failed"
-    (a send failed; the pool's thread restarts it) or "down" (to start again at `deadline`)."""
+    """One worker server process and its pipes, driven by the pool (_Pool). Its state: "starting"
+    (the ready line is due by `deadline`), "idle", "busy" (on `future`, whose answer is due by
+    `deadline`, since `since`), "failed" (a send failed; the pool's thread restarts it) or "down"
+    (to start again at `deadline`)."""
 
     def __init__(self, cmd: list[str], env: dict, namespaced: bool, kind: str = "heavy"):
-        self.cmd, self.env, self.namespaced, self.kind = cmd, env, namespaced, kind  # kind: which calls it takes
+        self.cmd, self.env, self.namespaced = cmd, env, namespaced
+        self.kind = kind  # which calls it takes: "light" or "heavy"
         self.proc, self.buf, self.base = None, b"", None
-        self.state, self.future, self.deadline, self.since, self.error = "down", None, 0.0, 0.0, None
+        self.state, self.future, self.error = "down", None, None
+        self.deadline, self.since = 0.0, 0.0
 
     def start(self) -> None:
-        # tmpfs when there is one: on ext4 with discard, creating and removing a directory cost 3 ms per call
-        self.base = tempfile.mkdtemp(prefix="codetool-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
-        os.chmod(self.base, 0o711)  # nobody may enter its own call directory but not list the others
-        self.proc = subprocess.Popen([*self.cmd, self.base], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=self.env, start_new_session=True)  # a Ctrl-C to the caller stays here
+        # the call directories' parent: covered by a tmpfs where the server has a mount namespace
+        self.base = tempfile.mkdtemp(prefix="codetool-")
+        os.chmod(self.base, 0o711)  # nobody may enter its call directory, not list the others
+        self.proc = subprocess.Popen([*self.cmd, self.base], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=self.env,
+                                     start_new_session=True)  # a Ctrl-C to the caller stays here
         self.buf, self.state, self.deadline = b"", "starting", time.monotonic() + READY_TIMEOUT_S
 
     def send(self, request: dict) -> None:
@@ -215,13 +368,14 @@ class _Server:
         self.proc, self.state = None, "down"
 
 
-def pick_lane(kind: str, queued: dict[str, int], idle_light: int, light_ages: list[float], cores: int,
-              help_after: float) -> str | None:
-    """The queue an idle server of this kind takes its next call from, if any. A light server takes light calls; a
-    heavy one takes heavy calls first, and light calls only when no light server is idle and fewer than `cores`
-    light servers are on calls younger than help_after seconds (light_ages: how long each busy light server has been
-    on its call). A heavy server's fork costs a trivial call about twice the CPU of a light one, so it helps only
-    where a core may be free: enough quick light servers keep every core busy at half the price."""
+def pick_lane(kind: str, queued: dict[str, int], idle_light: int, light_ages: list[float],
+              cores: int, help_after: float) -> str | None:
+    """The queue an idle server of this kind takes its next call from, if any. A light server takes
+    light calls; a heavy one takes heavy calls first, and light calls only when no light server is
+    idle and fewer than `cores` light servers are on calls younger than help_after seconds
+    (light_ages: how long each busy light server has been on its call). A heavy server's fork costs
+    a trivial call about twice the CPU of a light one, so it helps only where a core may be free:
+    enough quick light servers keep every core busy at half the price."""
     if kind == "heavy" and queued["heavy"]:
         return "heavy"
     quick = sum(age < help_after for age in light_ages)
@@ -231,29 +385,33 @@ def pick_lane(kind: str, queued: dict[str, int], idle_light: int, light_ages: li
 
 
 class _Pool:
-    """The servers and the calls queued for them, driven by one thread (run()): it reads every answer, hands the
-    next calls out, enforces reply deadlines and restarts dead servers. submit() gives a call straight to an idle
-    server from the caller's thread. (A thread per server cost the caller 0.47-0.52 ms of CPU per call at 16 in
-    flight against 0.35-0.38 for this, most of it thread switches and GIL hand-offs.)"""
+    """The servers and the calls queued for them, driven by one thread (run()): it reads every
+    answer, hands the next calls out, enforces reply deadlines and restarts dead servers. submit()
+    gives a call straight to an idle server from the caller's thread. One thread for all servers,
+    not one each: fewer thread switches and GIL hand-offs in the caller per call."""
 
-    def __init__(self, servers: list[_Server], limits: dict, max_chars: int, help_after: float, cores: int):
+    def __init__(self, servers: list[_Server], limits: dict, max_chars: int, help_after: float,
+                 cores: int):
         self.servers, self.limits, self.max_chars = servers, limits, max_chars
         self.help_after, self.cores = help_after, cores
-        self.lock, self.queues, self.closed = threading.Lock(), {"light": deque(), "heavy": deque()}, False
-        self.wake_r, self.wake_w = os.pipe()  # close(), failed sends and waiting light calls wake the thread
+        self.lock, self.closed = threading.Lock(), False
+        self.queues = {"light": deque(), "heavy": deque()}
+        self.wake_r, self.wake_w = os.pipe()  # close(), failed sends, waiting light calls wake it
         os.set_blocking(self.wake_w, False)
         self.sleep_until = 0.0  # when the thread wakes at the latest
         self.thread = threading.Thread(target=self.run, daemon=True, name="code-tool")
 
     def _hand_out(self) -> list[tuple[_Server, dict]]:
-        """Under the lock: give queued calls to idle servers (light servers first), marking them busy."""
+        """Under the lock: give queued calls to idle servers (light servers first), marking them
+        busy."""
         given, now = [], time.monotonic()
         for server in sorted(self.servers, key=lambda s: s.kind != "light"):
             while server.state == "idle":
                 light = [s for s in self.servers if s.kind == "light"]
                 lane = pick_lane(server.kind, {k: len(q) for k, q in self.queues.items()},
                                  sum(s.state == "idle" for s in light if s is not server),
-                                 [now - s.since for s in light if s.state == "busy"], self.cores, self.help_after)
+                                 [now - s.since for s in light if s.state == "busy"], self.cores,
+                                 self.help_after)
                 if lane is None:
                     break
                 request, future = self.queues[lane].popleft()
@@ -264,7 +422,8 @@ class _Pool:
         return given
 
     def _send(self, given: list[tuple[_Server, dict]]) -> None:
-        """Outside the lock: send each call to its server; a failed send leaves the restart to the pool's thread."""
+        """Outside the lock: send each call to its server; a failed send leaves the restart to the
+        pool's thread."""
         for server, request in given:
             try:
                 server.send({**request, **self.limits})
@@ -279,16 +438,19 @@ class _Pool:
                 raise RuntimeError("CodeTool is closed")
             self.queues[lane].append((request, future))
             given = self._hand_out()
-            # a light call left waiting with a heavy server idle: the thread must wake when a light call turns slow
-            helps = [s.since + self.help_after for s in self.servers if s.kind == "light" and s.state == "busy"]
-            wake = lane == "light" and self.queues["light"] and min(helps, default=0.0) < self.sleep_until and \
-                any(s.kind == "heavy" and s.state == "idle" for s in self.servers)
+            # a light call left waiting with a heavy server idle: the thread must wake when a light
+            # call turns slow
+            helps = [s.since + self.help_after for s in self.servers
+                     if s.kind == "light" and s.state == "busy"]
+            heavy_idle = any(s.kind == "heavy" and s.state == "idle" for s in self.servers)
+            wake = lane == "light" and self.queues["light"] and heavy_idle and \
+                min(helps, default=0.0) < self.sleep_until
         self._send(given)
         if wake:
             self._wake()
 
     def _wake(self) -> None:
-        with self.lock, contextlib.suppress(BlockingIOError):  # (a full pipe wakes the thread anyway)
+        with self.lock, contextlib.suppress(BlockingIOError):  # (a full pipe wakes it anyway)
             if self.wake_w is not None:  # (None: the thread has ended)
                 os.write(self.wake_w, b"x")
 
@@ -303,7 +465,8 @@ class _Pool:
             future.set_result(ToolResult("crash", "", why, 0.0, self.max_chars))
 
     def _restart(self, server: _Server, exc: Exception) -> None:
-        """The pool's thread: the server died or hung; its call fails, a new server starts in its slot."""
+        """The pool's thread: the server died or hung; its call fails, a new server starts in its
+        slot."""
         with self.lock:
             future, server.future = server.future, None
         self._crash(future, f"worker failed: {exc}\n")
@@ -317,7 +480,8 @@ class _Pool:
         poller, by_fd = select.poll(), {}
         poller.register(self.wake_r, select.POLLIN)
         while True:
-            for fd in [fd for fd, s in by_fd.items() if s.proc is None or s.proc.stdout.fileno() != fd]:
+            gone = [fd for fd, s in by_fd.items() if s.proc is None or s.proc.stdout.fileno() != fd]
+            for fd in gone:
                 poller.unregister(fd)
                 del by_fd[fd]
             for server in self.servers:
@@ -331,8 +495,10 @@ class _Pool:
                 now = time.monotonic()
                 due = [s.deadline for s in self.servers if s.state in ("starting", "busy", "down")]
                 if self.queues["light"]:  # when a heavy server may start helping
-                    due += [s.since + self.help_after for s in self.servers if s.kind == "light" and s.state == "busy"]
-                wait = min([1.0] + [t - now for t in due if t > now])  # the next deadline or help time (1 s at most)
+                    due += [s.since + self.help_after for s in self.servers
+                            if s.kind == "light" and s.state == "busy"]
+                # the next deadline or help time (1 s at most)
+                wait = min([1.0] + [t - now for t in due if t > now])
                 self.sleep_until = now + wait
             self._send(given)
             for fd, _ in poller.poll(wait * 1000):
@@ -349,7 +515,8 @@ class _Pool:
                     with self.lock:
                         future, server.future = server.future, None
                         server.state = "idle"
-                    if future is not None and not reply.get("ready"):  # (callbacks run here, outside the lock)
+                    # (callbacks run here, outside the lock)
+                    if future is not None and not reply.get("ready"):
                         future.set_result(ToolResult(**reply, max_chars=self.max_chars))
             now = time.monotonic()
             for server in self.servers:
@@ -366,19 +533,23 @@ class _Pool:
             server.stop()
         self._close_wake()
 
+    def pids(self) -> list[int]:
+        return [s.proc.pid for s in self.servers if s.proc is not None]
+
     def close(self) -> None:
-        """Refuse new calls, fail the queued and running ones, and end every server (close(), GC or exit)."""
+        """Refuse new calls, fail the queued and running ones, and end every server (close(), GC or
+        exit)."""
         with self.lock:
             self.closed = True
-            queued = [future for queue in self.queues.values() for _, future in queue]
-            for queue in self.queues.values():
-                queue.clear()
+            queued = [future for lane in self.queues.values() for _, future in lane]
+            for lane in self.queues.values():
+                lane.clear()
         for future in queued:  # (the running ones are the pool thread's to fail, as it stops)
             if future.set_running_or_notify_cancel():
                 self._crash(future, "code tool closed before the call ran\n")
         if self.thread.is_alive():
             self._wake()
-            if self.thread is not threading.current_thread():  # (from a callback, it ends after this round)
+            if self.thread is not threading.current_thread():  # (a callback: ends after this round)
                 self.thread.join()
         else:  # never started (start-up failed)
             for server in self.servers:
@@ -386,63 +557,239 @@ class _Pool:
             self._close_wake()
 
 
-class CodeTool:
-    """A pool of warm worker servers for `execute_python_code_with_standard_io` calls; see the module docstring.
+# --------------------------------------------------------------------------- the subprocess backend
+def over(paths: list[str], cap: int) -> bool:
+    """Whether a file of paths holds more than cap bytes."""
+    with contextlib.suppress(OSError):
+        return max(os.path.getsize(p) for p in paths) > cap
+    return False
 
-    workers: servers, i.e. calls running at once (default_workers()); timeout: wall-clock seconds per call;
-    memory_mb: address space a call may add to the warm interpreter's; max_output_chars: ToolResult.render()'s
-    default cut; max_output_bytes: bytes read per stream before the call is killed as "output_limit"; preload:
-    modules each server imports once; light_workers: how many servers preload only its standard-library part
-    (default half of them, when preload has more than that and workers >= 2). Calls that import nothing beyond the
-    standard library (`needs_heavy`) go to those: forking a server without numpy and sympy costs about half. Heavy
-    servers help with them only while fewer light servers than cores are on quick calls (see pick_lane)."""
+
+def head(path: str, size: int) -> bytes:
+    """The first size bytes of a file (b"" if there is none)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(size)
+    except FileNotFoundError:
+        return b""
+
+
+class _Subprocesses:
+    """The portable backend: each call is a new interpreter running RUN_ONCE on a fresh CALL_DIR,
+    started by one of `workers` daemon threads of the caller, which then waits for its exit. The
+    call's stdin, stdout and stderr are files in CALL_DIR (no pipe can block, and any platform can
+    read their sizes); one more thread (guard) kills the calls that pass their deadline or output
+    cap. Then the call's process group is killed (POSIX) and the outcome described as the servers
+    do (code_sandbox.describe)."""
+
+    def __init__(self, workers: int, limits: dict, max_chars: int, env: dict):
+        self.limits, self.max_chars, self.env = limits, max_chars, env
+        self.lock, self.closed = threading.Lock(), False
+        self.running = {}  # Popen -> {"deadline", "outputs" (paths), "reason" it was killed for}
+        self.changed = threading.Condition(self.lock)  # a call started, or the backend closed
+        self.queue = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=self.work, daemon=True, name="code-tool")
+                        for _ in range(workers)]
+        guard = threading.Thread(target=self.guard, daemon=True, name="code-tool-guard")
+        for thread in self.threads + [guard]:
+            thread.start()
+
+    def submit(self, lane: str, request: dict, future: Future) -> None:
+        """Queue one call (lane: unused, every call starts a fresh interpreter)."""
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("CodeTool is closed")
+        self.queue.put((request, future))
+
+    def work(self) -> None:
+        while (item := self.queue.get()) is not None:
+            request, future = item
+            if future.set_running_or_notify_cancel():
+                future.set_result(self.call(request))
+
+    def call(self, request: dict) -> ToolResult:
+        """Run one call in a fresh directory, removed afterwards; never raises."""
+        call_dir = tempfile.mkdtemp(prefix="codetool-")
+        try:
+            fields = self.run_in(call_dir, request)
+        except OSError as exc:  # no interpreter, no disk space, ...
+            fields = {"status": "crash", "stdout": "", "stderr": f"code tool failed: {exc}\n"}
+        finally:
+            shutil.rmtree(call_dir, ignore_errors=True)
+        return ToolResult(**fields, max_chars=self.max_chars)
+
+    def run_in(self, call_dir: str, request: dict) -> dict:
+        path = {name: os.path.join(call_dir, name)
+                for name in ("request.json", "stdin", "stdout", "stderr", "status", "work")}
+        os.mkdir(path["work"])
+        with open(path["request.json"], "w", encoding="utf-8") as f:
+            json.dump({"code": request["code"], "echo": request["echo"], **self.limits}, f)
+        with open(path["stdin"], "wb") as f:
+            f.write(request["stdin"].encode("utf-8", "surrogatepass"))
+        work = path["work"]
+        env = {**self.env, "HOME": work, "TMPDIR": work, "TEMP": work, "TMP": work}
+        timeout, cap = self.limits["timeout"], self.limits["max_bytes"]
+        with open(path["stdin"], "rb") as stdin, open(path["stdout"], "wb") as stdout, \
+                open(path["stderr"], "wb") as stderr, self.lock:
+            if self.closed:
+                return {"status": "crash", "stdout": "",
+                        "stderr": "code tool closed before the call ran\n"}
+            start = time.monotonic()
+            proc = subprocess.Popen([sys.executable, "-c", RUN_ONCE, call_dir], stdin=stdin,
+                                    stdout=stdout, stderr=stderr, cwd=work, env=env,
+                                    start_new_session=True)  # (POSIX: its own process group)
+            self.running[proc] = {"deadline": start + timeout, "reason": None,
+                                  "outputs": [path["stdout"], path["stderr"]]}
+            self.changed.notify()
+        proc.wait()
+        elapsed = time.monotonic() - start
+        self.kill(proc)  # what it left in its group
+        with self.lock:
+            reason = self.running.pop(proc)["reason"]
+        bufs = [head(path[name], cap + 1) for name in ("stdout", "stderr", "status")]
+        if reason is None and max(len(b) for b in bufs[:2]) > cap:
+            reason = "output_limit"
+        if reason == "closed":
+            return {"status": "crash", "stdout": "", "stderr": "code tool closed during the call\n",
+                    "elapsed": elapsed}
+        return {**code_sandbox.describe(reason, proc.returncode, bufs, timeout, cap),
+                "elapsed": elapsed}
+
+    def guard(self) -> None:
+        """Every POLL_S while calls run: kill each call past its deadline or its output cap, noting
+        why (its thread, waiting for the exit, takes it from there)."""
+        with self.lock:
+            while not self.closed:
+                if not self.running:
+                    self.changed.wait()
+                    continue
+                self.changed.wait(POLL_S)
+                now = time.monotonic()
+                for proc, call in self.running.items():
+                    if call["reason"] is None and now >= call["deadline"]:
+                        call["reason"] = "timeout"
+                    elif call["reason"] is None and over(call["outputs"], self.limits["max_bytes"]):
+                        call["reason"] = "output_limit"
+                    else:
+                        continue
+                    self.kill(proc)
+
+    @staticmethod
+    def kill(proc: subprocess.Popen) -> None:
+        """SIGKILL the call's process group: the interpreter and what it started without leaving the
+        group (a group outlives its leader while a member lives, and its id is not reused before).
+        Windows: the interpreter only."""
+        with contextlib.suppress(OSError):
+            if hasattr(os, "killpg"):
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+
+    def pids(self) -> list[int]:
+        with self.lock:
+            return [proc.pid for proc in self.running]
+
+    def close(self) -> None:
+        """Refuse new calls, kill the running ones; queued ones end as "crash" without running."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            for proc, call in self.running.items():
+                call["reason"] = "closed"
+                self.kill(proc)
+            self.changed.notify()
+        for _ in self.threads:
+            self.queue.put(None)
+
+
+# ----------------------------------------------------------------------------------------- the tool
+class CodeTool:
+    """`execute_python_code_with_standard_io` calls on one of two backends; see the module
+    docstring.
+
+    workers: calls running at once (default_workers()); timeout: wall-clock seconds per call;
+    memory_mb: address space a call may add to the interpreter's (servers: a warm one; subprocess: a
+    fresh one); max_output_chars: ToolResult.render()'s default cut; max_output_bytes: bytes read
+    per stream before the call is killed as "output_limit"; preload: modules each server imports
+    once; light_workers: how many servers preload only its standard-library part (default half of
+    them, when preload has more than that and workers >= 2). Calls that import nothing beyond the
+    standard library (`needs_heavy`) go to those: forking a server without numpy and sympy costs
+    about half. Heavy servers help with them only while fewer light servers than cores are on quick
+    calls (see pick_lane). backend: "auto", "servers" or "subprocess" (BACKENDS); require_isolation:
+    refuse to start (SandboxError) in any sandbox but "namespaces"."""
 
     def __init__(self, workers: int | None = None, timeout: float = 4.0, memory_mb: int = 512,
-                 max_output_chars: int = 1000, max_output_bytes: int = 1 << 20, preload: tuple = PRELOAD,
-                 light_workers: int | None = None):
-        self.workers = workers or default_workers()
-        self.sandbox, prefix = sandbox_prefix()
-        env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")}  # no secrets
-        env.update(LANG="C.UTF-8", HOME="/tmp", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        light = [m for m in preload if m in sys.stdlib_module_names]
-        wanted = self.workers // 2 if light_workers is None else light_workers
-        self.light_workers = 0 if len(light) == len(preload) else max(0, min(self.workers - 1, wanted))
-        serve = [*prefix, sys.executable, os.path.abspath(code_sandbox.__file__), "--serve"]
-        servers = [_Server(serve + [",".join(light if i < self.light_workers else preload)], env,
-                           self.sandbox == "namespaces", "light" if i < self.light_workers else "heavy")
-                   for i in range(self.workers)]
+                 max_output_chars: int = 1000, max_output_bytes: int = 1 << 20,
+                 preload: tuple = PRELOAD, light_workers: int | None = None, backend: str = "auto",
+                 require_isolation: bool = False):
+        self.workers, self.timeout = workers or default_workers(), timeout
+        sandbox = choose_sandbox(backend, require_isolation)
+        self.sandbox, self.sandbox_line = sandbox.mode, sandbox.line()
+        self.backend = "subprocess" if sandbox.mode == "subprocess" else "servers"
+        if sandbox.mode != "namespaces":
+            announce(sandbox)
+        env = {k: v for k, v in os.environ.items() if k in ENV_KEPT}  # no secrets
+        env.update(LANG="C.UTF-8", HOME="/tmp", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+                   MKL_NUM_THREADS="1")
         limits = {"timeout": timeout, "memory_mb": memory_mb, "max_bytes": max_output_bytes}
-        # the pool and its thread hold no reference to self, so garbage collection can close it
-        self._pool = _Pool(servers, limits, max_output_chars, LIGHT_HELP_AFTER_S, os.cpu_count() or 1)
-        self._finalizer = weakref.finalize(self, self._pool.close)
-        try:
-            for server in servers:
-                server.start()
-            for server in servers:
-                server.wait_ready()
-        except (WorkerDied, OSError) as exc:
-            self.close()
-            raise RuntimeError(f"code tool worker failed to start: {exc}") from exc
-        self._pool.thread.start()
+        if self.backend == "subprocess":
+            self.light_workers = 0
+            self._backend = _Subprocesses(self.workers, limits, max_output_chars, env)
+        else:
+            light = [m for m in preload if m in sys.stdlib_module_names]
+            wanted = self.workers // 2 if light_workers is None else light_workers
+            self.light_workers = 0 if len(light) == len(preload) else \
+                max(0, min(self.workers - 1, wanted))
+            self._backend = self._pool(sandbox, env, (tuple(light), preload), limits,
+                                       max_output_chars)
+        # the backend and its threads hold no reference to self, so garbage collection can close it
+        self._finalizer = weakref.finalize(self, self._backend.close)
+        if self.backend == "servers":
+            try:
+                for server in self._backend.servers:
+                    server.start()
+                for server in self._backend.servers:
+                    server.wait_ready()
+            except (WorkerDied, OSError) as exc:
+                self.close()
+                raise RuntimeError(f"code tool worker failed to start: {exc}") from exc
+            self._backend.thread.start()
+
+    def _pool(self, sandbox: Sandbox, env: dict, preloads: tuple, limits: dict,
+              max_chars: int) -> _Pool:
+        """The servers (not started yet): the first light_workers preload preloads[0] (the standard
+        library's part), the others preloads[1]."""
+        serve = [*sandbox.prefix, sys.executable, SANDBOX_PY, "--serve"]
+        servers = []
+        for i in range(self.workers):
+            kind = "light" if i < self.light_workers else "heavy"
+            modules = ",".join(preloads[kind == "heavy"])
+            servers.append(_Server(serve + [modules, str(sandbox.scratch_mb)], env,
+                                   sandbox.mode == "namespaces", kind))
+        return _Pool(servers, limits, max_chars, LIGHT_HELP_AFTER_S, os.cpu_count() or 1)
 
     def submit(self, code: str, stdin: str = "") -> Future:
-        """Queue one call; the Future resolves to its ToolResult (it never raises, nor waits past timeout + grace)."""
+        """Queue one call; the Future resolves to its ToolResult (it never raises, nor waits past
+        timeout + grace)."""
         future: Future = Future()
-        tree = parse(code)  # once, here: for the lane and for the notebook echo (the call child only compiles)
+        tree = parse(code)  # once, here: the lane and the notebook echo (the child only compiles)
         lane = "heavy" if not self.light_workers or needs_heavy(code, tree) else "light"
-        self._pool.submit(lane, {"code": code, "stdin": stdin, "echo": echo_span(code, tree)}, future)
+        self._backend.submit(lane, {"code": code, "stdin": stdin, "echo": echo_span(code, tree)},
+                             future)
         return future
 
     def run(self, code: str, stdin: str = "") -> ToolResult:
         return self.submit(code, stdin).result()
 
     def run_batch(self, calls: list[tuple[str, str]]) -> list[ToolResult]:
-        """Run (code, stdin) pairs concurrently on the pool; results in the order of calls."""
+        """Run (code, stdin) pairs concurrently; results in the order of calls."""
         return [f.result() for f in [self.submit(code, stdin) for code, stdin in calls]]
 
-    def server_pids(self) -> list[int]:
-        """Pids of the worker servers as the caller sees them (the unshare processes where namespaced)."""
-        return [s.proc.pid for s in self._pool.servers if s.proc is not None]
+    def pids(self) -> list[int]:
+        """The processes the tool runs now, as the caller sees them: its servers (the unshare
+        processes where namespaced), or the running calls' interpreters (subprocess backend)."""
+        return self._backend.pids()
 
     def close(self) -> None:
         self._finalizer()
@@ -455,9 +802,11 @@ class CodeTool:
 
 
 if __name__ == "__main__":
-    with CodeTool(workers=2, timeout=2.0) as tool:
-        print(f"sandbox: {tool.sandbox}, workers: {tool.workers}")
-        demos = [("print(2+2)", ""), ("import sympy as sp\nx = sp.Symbol('x')\nsp.solve(x**2 - 5*x + 6, x)", ""),
+    backend = sys.argv[1] if len(sys.argv) > 1 else "auto"
+    with CodeTool(workers=2, timeout=2.0, backend=backend) as tool:
+        print(f"{tool.sandbox_line}\nbackend: {tool.backend}, workers: {tool.workers}")
+        demos = [("print(2+2)", ""),
+                 ("import sympy as sp\nx = sp.Symbol('x')\nsp.solve(x**2 - 5*x + 6, x)", ""),
                  ("n = int(input())\nprint(sum(range(n + 1)))", "100"), ("x = 1\n1 / (x - 1)", ""),
                  ("while True: pass", ""), ("import os\nos.getuid()", "")]
         for (code, stdin), result in zip(demos, tool.run_batch(demos)):

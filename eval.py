@@ -90,6 +90,8 @@ class EvalConfig:
     tool_timeout: float = 4.0
     tool_memory_mb: int = 512
     tool_max_output_chars: int = 1000
+    tool_backend: str = "auto"            # auto | servers (Linux) | subprocess (portable, slower)
+    tool_require_isolation: bool = False  # refuse to start unless model code runs in namespaces
     # --- vLLM (sampler=vllm only)
     vllm_tensor_parallel_size: int = 1
     vllm_gpu_memory_utilization: float = 0.9
@@ -315,10 +317,15 @@ def run(cfg: EvalConfig) -> dict:
     """The command-line evaluation: every benchmark, results.json, trajectories.jsonl, unsolved_out."""
     check_config(cfg)
     from transformers import set_seed
-    from code_tool import CodeTool
+    from code_tool import CodeTool, SandboxError, announce, choose_sandbox
+    try:  # where and how model code runs (code_tool.py's sandbox modes)
+        sandbox = choose_sandbox(cfg.tool_backend, cfg.tool_require_isolation)
+    except SandboxError as e:
+        raise SystemExit(f"config error: {e}") from None
     out = Path(cfg.out_dir)
     print(format_config(cfg))
     save_config(cfg, out / "config.yaml")
+    (out / "sandbox.txt").write_text(announce(sandbox) + "\n")
     try:  # every input error before the model loads
         check_model_path(cfg.model_path)
         benches = [load_benchmark(b) for b in cfg.benchmarks]
@@ -332,7 +339,8 @@ def run(cfg: EvalConfig) -> dict:
     results, missed, k = {}, [], cfg.samples
     traj_file = out / "trajectories.jsonl"
     with CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
-                  max_output_chars=cfg.tool_max_output_chars) as tool, traj_file.open("w", encoding="utf-8") as f:
+                  max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
+                  require_isolation=cfg.tool_require_isolation) as tool, traj_file.open("w", encoding="utf-8") as f:
         for name, problems in benches:
             print(f"{name}: {len(problems)} problems x {k} samples")
             set_seed(cfg.seed)  # each benchmark's samples do not depend on which benchmarks ran before it

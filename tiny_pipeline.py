@@ -2,6 +2,7 @@
 
     python tiny_pipeline.py                 # about 20 minutes on 2 cores; writes runs/tiny/summary.json
     python tiny_pipeline.py --quick         # a few steps of each entry point (CI's smoke run)
+    python tiny_pipeline.py --tool-backend subprocess   # the portable code tool (what macOS runs)
 
   1. tiny_model.py   a character-level tokenizer and a ~1M-parameter Qwen3 model (save_pretrained)
   2. tiny_task.py    the built-in task: RL problems (two levels), held-out test split, SFT conversations
@@ -21,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from code_tool import BACKENDS, announce, choose_sandbox
+
 STAGES = ["sft", "stage1", "stage2", "stage3"]
 # --quick: overrides that make every entry point take a few steps (CI); the plumbing is the same.
 QUICK = {
@@ -37,26 +40,27 @@ def run(cmd: list[str]) -> None:
     subprocess.run([sys.executable] + cmd, check=True)
 
 
-def evaluate(root: Path, name: str, quick: bool) -> dict:
+def evaluate(root: Path, name: str, quick: bool, backend: str = "auto") -> dict:
     """eval.py on the held-out split for one stage's model; returns its metrics for the test benchmark."""
     out = root / f"eval_{name}"
     if not (out / "results.json").is_file():
         run(["eval.py", "configs/tiny/eval.yaml", f"model_path={root / name / 'model'}", f"out_dir={out}",
-             f"benchmarks=[{root / 'data' / 'test.jsonl'}]"] + (QUICK["eval"] if quick else []))
+             f"benchmarks=[{root / 'data' / 'test.jsonl'}]", f"tool_backend={backend}"]
+            + (QUICK["eval"] if quick else []))
     results = json.loads((out / "results.json").read_text())["benchmarks"]
     return next(iter(results.values()))
 
 
-def pipeline(root: Path, quick: bool) -> dict:
+def pipeline(root: Path, quick: bool, backend: str = "auto") -> dict:
     data = root / "data"
     if not (root / "base" / "config.json").is_file():
         run(["tiny_model.py", str(root / "base")])
     if not (data / "sft.jsonl").is_file():
-        run(["tiny_task.py", str(data)] + (QUICK["task"] if quick else []))
+        run(["tiny_task.py", str(data), "--tool-backend", backend] + (QUICK["task"] if quick else []))
     if not (root / "sft" / "model" / "config.json").is_file():
         run(["sft.py", "configs/tiny/sft.yaml", f"model_path={root / 'base'}", f"data={data / 'sft.jsonl'}",
              f"out_dir={root / 'sft'}"] + (QUICK["sft"] if quick else []))
-    results = {"sft": evaluate(root, "sft", quick)}
+    results = {"sft": evaluate(root, "sft", quick, backend)}
     stage_data = {1: [data / "train_level1.jsonl"], 2: [data / "train_level1.jsonl", data / "train_level2.jsonl"],
                   3: [data / "stage3.jsonl"]}
     previous = "sft"
@@ -66,7 +70,8 @@ def pipeline(root: Path, quick: bool) -> dict:
             # Stage 3's data: problems the stage-2 policy did not solve k of k times (report: 8 of 8).
             run(["eval.py", "configs/tiny/eval.yaml", f"model_path={root / 'stage2' / 'model'}",
                  f"out_dir={root / 'unsolved_stage2'}", f"benchmarks=[{data / 'train_level2.jsonl'}]",
-                 "samples=4", "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}"]
+                 "samples=4", "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}",
+                 f"tool_backend={backend}"]
                 + (["limit=6", "samples=2"] if quick else ["limit=200"]))
         if not (root / name / "model" / "config.json").is_file():
             # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report section 6).
@@ -74,9 +79,10 @@ def pipeline(root: Path, quick: bool) -> dict:
             # Held-out curves during stage 1 only; every stage's final model is evaluated below with eval.py.
             evals = [f"eval_data={data / 'test.jsonl'}"] if stage == 1 else []
             run(["train.py", f"configs/tiny/{name}.yaml", f"model_path={root / previous / 'model'}",
-                 "data=[" + ",".join(map(str, stage_data[stage])) + "]", f"out_dir={root / name}"]
+                 "data=[" + ",".join(map(str, stage_data[stage])) + "]", f"out_dir={root / name}",
+                 f"tool_backend={backend}"]
                 + evals + extra + (QUICK["train"] if quick else []))
-        results[name] = evaluate(root, name, quick)
+        results[name] = evaluate(root, name, quick, backend)
         previous = name
     return results
 
@@ -125,13 +131,16 @@ def main(argv=None) -> None:
     parser.add_argument("--root", default="runs/tiny", help="run folder (default runs/tiny)")
     parser.add_argument("--quick", action="store_true", help="a few steps of each entry point")
     parser.add_argument("--fresh", action="store_true", help="delete the run folder first")
+    parser.add_argument("--tool-backend", default="auto", choices=BACKENDS,
+                        help="the code tool's backend: auto, servers (Linux) or subprocess (portable)")
     args = parser.parse_args(argv)
+    sandbox = announce(choose_sandbox(args.tool_backend))  # what model code can reach, said once
     root = Path(args.root)
     if args.fresh:
         shutil.rmtree(root, ignore_errors=True)
     start = time.time()
-    results = pipeline(root, args.quick)
-    summary = summarize(results, time.time() - start)
+    results = pipeline(root, args.quick, args.tool_backend)
+    summary = {**summarize(results, time.time() - start), "tool_sandbox": sandbox}
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     plot_stages(results, root / "summary.png")
     run(["report.py", "compare", str(root / "eval_sft"), str(root / "eval_stage3"),

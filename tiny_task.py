@@ -47,7 +47,7 @@ import argparse
 import random
 from pathlib import Path
 
-from code_tool import CodeTool
+from code_tool import BACKENDS, CodeTool
 from data import write_jsonl
 from protocol import TOOL_NAME
 
@@ -186,11 +186,12 @@ def trace_kinds(n: int, mix: dict, rng) -> list[str]:
 # ------------------------------------------------------------------------------------------ the task files
 def write_task(out_dir, seed: int = 0, n_train: int = 2000, n_test: int = 100, n_sft: int = 4000,
                mix: dict | None = None, direct_correct: float = 0.2, sft_level2: float = 0.4,
-               workers: int = 2) -> dict:
+               workers: int = 2, tool_backend: str = "auto") -> dict:
     """Write test.jsonl, sft.jsonl, train_level1.jsonl and train_level2.jsonl under `out_dir`; same seed, same files.
 
     mix: trace-kind fractions for SFT (default DEFAULT_MIX); direct_correct: chance that a
-    direct answer is the true one; sft_level2: fraction of SFT problems from level 2. Returns {split: path}."""
+    direct answer is the true one; sft_level2: fraction of SFT problems from level 2; tool_backend: the code
+    tool's backend (code_tool.BACKENDS), which renders the tool responses. Returns {split: path}."""
     mix = mix or DEFAULT_MIX
     out = Path(out_dir)
     rng, seen = random.Random(seed), set()
@@ -201,7 +202,8 @@ def write_task(out_dir, seed: int = 0, n_train: int = 2000, n_test: int = 100, n
     plans = [plan_trace(p, kind, rng, direct_correct)
              for p, kind in zip(sft_problems, trace_kinds(n_sft, mix, rng))]
     calls = [(code, "") for plan in plans for code in plan["codes"]]
-    with CodeTool(workers=workers, timeout=TOOL_TIMEOUT_S, max_output_chars=TOOL_MAX_OUTPUT_CHARS) as tool:
+    with CodeTool(workers=workers, timeout=TOOL_TIMEOUT_S, max_output_chars=TOOL_MAX_OUTPUT_CHARS,
+                  backend=tool_backend) as tool:
         results = iter(tool.run_batch(calls))
     sft = [{"messages": build_messages(plan, [next(results) for _ in plan["codes"]]),
             "kind": plan["kind"], "level": plan["level"], "answer": plan["answer"]} for plan in plans]
@@ -227,10 +229,11 @@ def main(argv=None):
     parser.add_argument("--sloppy", type=float, default=DEFAULT_MIX["sloppy"],
                         help="fraction of traces whose call prints the answer, then fails on a leftover line")
     parser.add_argument("--direct-correct", type=float, default=0.2, help="chance a direct answer is right")
+    parser.add_argument("--tool-backend", default="auto", choices=BACKENDS, help="the code tool's backend")
     args = parser.parse_args(argv)
     paths = write_task(args.out_dir, seed=args.seed, n_train=args.n_train, n_test=args.n_test, n_sft=args.n_sft,
                        mix={"direct": args.direct, "tool": args.tool, "sloppy": args.sloppy, "fix": args.fix},
-                       direct_correct=args.direct_correct)
+                       direct_correct=args.direct_correct, tool_backend=args.tool_backend)
     for split, path in paths.items():
         print(f"{split:>13}: {path}")
 

@@ -41,7 +41,7 @@ import torch
 from tqdm import tqdm
 
 from checkpoint import latest_checkpoint, load_checkpoint, resume_point, save_checkpoint, truncate_log
-from code_tool import CodeTool
+from code_tool import CodeTool, SandboxError, announce, choose_sandbox
 from config import check_ranges, format_config, parse_cli, save_config
 from data import check_model_path, load_problems
 from hf_sampler import HFSampler
@@ -105,6 +105,8 @@ class TrainConfig:
     tool_timeout: float = 4.0             # seconds per call (public code: 4 s)
     tool_memory_mb: int = 512
     tool_max_output_chars: int = 1000     # public code: 1,000 characters
+    tool_backend: str = "auto"            # auto | servers (Linux) | subprocess (portable, slower)
+    tool_require_isolation: bool = False  # refuse to start unless model code runs in namespaces
     # --- optimizer (report section 4)
     lr: float = 1e-6                      # constant after warm-up
     warmup_steps: int = 20
@@ -567,6 +569,10 @@ def setup(cfg: TrainConfig):
     acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision,
                       log_with=cfg.report_to, project_dir=cfg.out_dir)
     validate(cfg, acc.num_processes)
+    try:  # where and how model code runs (code_tool.py's sandbox modes)
+        sandbox = choose_sandbox(cfg.tool_backend, cfg.tool_require_isolation)
+    except SandboxError as e:
+        raise SystemExit(f"config error: {e}") from None
     out = Path(cfg.out_dir)
     problems = load_data(cfg.data)
     eval_problems = load_data([cfg.eval_data]) if cfg.eval_data else []
@@ -585,6 +591,7 @@ def setup(cfg: TrainConfig):
     if acc.is_main_process:
         print(format_config(cfg))
         save_config(cfg, out / "config.yaml")
+        (out / "sandbox.txt").write_text(announce(sandbox) + "\n")
         if cfg.report_to:
             acc.init_trackers("rstar2", config={k: str(v) for k, v in vars(cfg).items()})
     set_seed(cfg.seed + acc.process_index)  # rollouts differ per rank; everything else is seeded explicitly
@@ -620,7 +627,8 @@ def setup(cfg: TrainConfig):
               pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out)
     run.handoff = verify_handoff(run, "at the start")
     run.tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
-                        max_output_chars=cfg.tool_max_output_chars)
+                        max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
+                        require_isolation=cfg.tool_require_isolation)
     return step, run
 
 

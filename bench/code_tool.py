@@ -1,17 +1,20 @@
-"""Benchmark: CodeTool against one `python -c` subprocess per call, side by side in one run; then a hostile soak.
+"""Benchmark: CodeTool's two backends against one `python -c` subprocess per call, side by side in one run; then
+a hostile soak on each backend.
 
 Workloads: (a) trivial `print(2+2)`; (b) import sympy and solve a quadratic. For each, calls per second and p50/p99
-latency (from issuing a call to its result) with 1, 16 and 256 calls kept in flight. The plain alternative, what
-most RL codebases do, runs `subprocess.run([sys.executable, "-c", code], timeout=...)` on a thread pool of that
-size. Each row alternates blocks of the two (3 rounds; full run: 5) and reports the median of the rounds' ratios,
-since a shared machine's speed drifts within a run (hypervisor steal reached 40% here). The soak sends N calls
-(2,000; --quick: 500), one in ten hostile (infinite loop, memory bomb, output flood), and reports lost or hung
-calls and the honest calls' throughput.
+latency (from issuing a call to its result) with 1, 16 and 256 calls kept in flight, three ways: the plain
+alternative, what most RL codebases do, `subprocess.run([sys.executable, "-c", code], timeout=...)` on a thread
+pool of that size (no limits, no notebook semantics); CodeTool on the worker servers (backend "servers", Linux);
+and CodeTool on its portable backend (backend "subprocess", a fresh interpreter per call with the tool's limits:
+what macOS and Windows run). Each row alternates blocks of the three (3 rounds; full run: 5) and reports the median
+of the rounds' ratios to the plain way, since a shared machine's speed drifts within a run. The soak sends N calls
+(2,000; --quick: 500) to each backend, one in ten hostile (infinite loop, memory bomb, output flood), and reports
+lost or hung calls and the honest calls' throughput.
 
 Also, side by side: the trivial calls on a pool without light servers (every server preloads numpy and sympy), and
 the CPU one call costs each way. The plain side starts sys.executable, so that interpreter's start-up is the
 baseline: install this project as the Makefile does (`editable_mode=compat`); setuptools' default editable mode adds
-an import hook to every start (about 7 ms here), which would flatter CodeTool.
+an import hook to every start, which would flatter CodeTool.
 Run: `.venv/bin/python bench/code_tool.py [--quick] [--workers W]`.
 """
 import argparse
@@ -80,20 +83,23 @@ def ours(tool: CodeTool, code: str, in_flight: int, n: int) -> tuple[list[float]
     return latencies, wall
 
 
-def side_by_side(tool: CodeTool, code: str, flights: tuple[int, int], sizes: tuple[int, int], rounds: int) -> tuple:
-    """Blocks of the plain way and of CodeTool, alternated `rounds` times (this shared machine's speed drifts within
-    a run; each round compares like with like). flights, sizes: (plain, ours) calls in flight and calls per block.
-    Returns (plain (calls/s, p50, p99) over all rounds, CodeTool's, the rounds' throughput ratios)."""
-    sides, ratios = {"plain": ([], 0.0), "ours": ([], 0.0)}, []
+def side_by_side(runners: dict, rounds: int) -> tuple[dict, dict]:
+    """Blocks of each side (name -> a function that runs one block and returns (latencies, wall seconds)), in a
+    rotating order, `rounds` times (this shared machine's speed drifts within a run; each round compares like
+    with like). Returns ({side: (calls/s, p50, p99) over all rounds}, {side: the rounds' throughput ratios to the
+    "plain" side})."""
+    sides = {name: ([], 0.0) for name in runners}
+    ratios = {name: [] for name in runners if name != "plain"}
+    names = list(runners)
     for r in range(rounds):
         rates = {}
-        for side in ("plain", "ours") if r % 2 == 0 else ("ours", "plain"):
-            latencies, wall = plain(code, flights[0], sizes[0]) if side == "plain" else \
-                ours(tool, code, flights[1], sizes[1])
-            rates[side] = len(latencies) / wall
-            sides[side] = (sides[side][0] + latencies, sides[side][1] + wall)
-        ratios.append(rates["ours"] / rates["plain"])
-    return summarize(*sides["plain"]), summarize(*sides["ours"]), ratios
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            latencies, wall = runners[name]()
+            rates[name] = len(latencies) / wall
+            sides[name] = (sides[name][0] + latencies, sides[name][1] + wall)
+        for name in ratios:
+            ratios[name].append(rates[name] / rates["plain"])
+    return {name: summarize(*value) for name, value in sides.items()}, ratios
 
 
 def tree_cpu(pid: int) -> float:
@@ -110,19 +116,26 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
-def cpu_per_call(tool: CodeTool, n: int) -> tuple[float, float, float]:
-    """CPU ms per trivial call at 16 in flight: (plain interpreter, CodeTool servers with their call children,
-    CodeTool caller side). All of it is spent on the same 2 cores, so it bounds the throughput."""
+def cpu_per_call(tool: CodeTool, portable: CodeTool, n: int) -> dict:
+    """CPU ms per trivial call at 16 in flight: the plain interpreter; CodeTool's servers with their call children
+    and its caller side; the subprocess backend's interpreters and its caller side. All of it is spent on the
+    same cores, so it bounds the throughput."""
     def spent(who):
         r = resource.getrusage(who)
         return r.ru_utime + r.ru_stime
     before = spent(resource.RUSAGE_CHILDREN)
     plain(TRIVIAL, 16, n // 4)
-    plain_ms = (spent(resource.RUSAGE_CHILDREN) - before) / (n // 4) * 1e3
-    pids = tool.server_pids()
+    cpu = {"plain": (spent(resource.RUSAGE_CHILDREN) - before) / (n // 4) * 1e3}
+    pids = tool.pids()
     servers, caller = sum(map(tree_cpu, pids)), spent(resource.RUSAGE_SELF)
     ours(tool, TRIVIAL, 16, n)
-    return plain_ms, (sum(map(tree_cpu, pids)) - servers) / n * 1e3, (spent(resource.RUSAGE_SELF) - caller) / n * 1e3
+    cpu["servers"] = (sum(map(tree_cpu, pids)) - servers) / n * 1e3
+    cpu["servers caller"] = (spent(resource.RUSAGE_SELF) - caller) / n * 1e3
+    children, caller = spent(resource.RUSAGE_CHILDREN), spent(resource.RUSAGE_SELF)
+    ours(portable, TRIVIAL, 16, n // 4)  # (its interpreters are reaped, so they count as children)
+    cpu["subprocess"] = (spent(resource.RUSAGE_CHILDREN) - children) / (n // 4) * 1e3
+    cpu["subprocess caller"] = (spent(resource.RUSAGE_SELF) - caller) / (n // 4) * 1e3
+    return cpu
 
 
 FAULTS = "import resource\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)"  # the call child's so far
@@ -158,50 +171,62 @@ def main() -> None:
     print(f"cores: {os.cpu_count()}, workers: {args.workers}, python: {sys.version.split()[0]}, quick: {args.quick}, "
           f"load average at start: {os.getloadavg()[0]:.1f} (other work on the machine slows both sides)")
     rows = []
-    with CodeTool(workers=args.workers, timeout=10.0) as tool:
+    with CodeTool(workers=args.workers, timeout=10.0) as tool, \
+            CodeTool(workers=args.workers, timeout=10.0, backend="subprocess") as portable:
         print(f"sandbox: {tool.sandbox}, light servers (standard-library preload): {tool.light_workers} of "
-              f"{tool.workers}")
+              f"{tool.workers}; subprocess backend: {portable.workers} calls at once")
         tool.run_batch([(SYMPY, "")] * args.workers * 2)  # warm the servers' first-call paths
+        portable.run_batch([(SYMPY, "")] * 2)  # and the page cache for sympy's files
         for name, code, plain_n, our_n in (("(a) print(2+2)", TRIVIAL, 160, 1000), ("(b) sympy solve", SYMPY, 24, 400)):
             for in_flight in (1, 16, 256):
                 plain_flight = in_flight if code == TRIVIAL else min(in_flight, plain_cap)
                 sizes = (max(int(plain_n * scale / rounds), plain_flight if in_flight > 1 else 4),
                          max(int(our_n * scale / rounds), 2 * in_flight if in_flight > 1 else 20))
-                plain_row, ours_row, ratios = side_by_side(tool, code, (plain_flight, in_flight), sizes, rounds)
-                rows.append((name, in_flight, plain_flight, plain_row, ours_row, ratios))
+                runners = {"plain": lambda: plain(code, plain_flight, sizes[0]),
+                           "servers": lambda: ours(tool, code, in_flight, sizes[1]),
+                           "subprocess": lambda: ours(portable, code, plain_flight, sizes[0])}
+                rows.append((name, in_flight, plain_flight, *side_by_side(runners, rounds)))
                 print(f"  done {name} at {in_flight} in flight", file=sys.stderr)
-        plain_ms, server_ms, caller_ms = cpu_per_call(tool, int(2000 * scale))
-    print(f"\n{'workload':<16} {'in flight':>9} | {'plain calls/s':>13} {'p50 ms':>8} {'p99 ms':>8} | "
-          f"{'CodeTool calls/s':>16} {'p50 ms':>7} {'p99 ms':>7} | speedup: median of {rounds} rounds (range)")
-    for name, in_flight, plain_flight, (p_rate, p50, p99), (o_rate, o50, o99), ratios in rows:
+        cpu = cpu_per_call(tool, portable, int(2000 * scale))
+    print(f"\n{'':<26} | {'plain: python -c':^24} | {'CodeTool, servers':^24} | {'CodeTool, subprocess':^24} | "
+          f"ratio to plain: median of {rounds} rounds (range)")
+    print(f"{'workload':<16} {'in flight':>9} | " + " | ".join([f"{'calls/s':>8} {'p50 ms':>7} {'p99 ms':>7}"] * 3)
+          + f" | {'servers':>15} {'subprocess':>15}")
+    for name, in_flight, plain_flight, summary, ratios in rows:
         flight = f"{in_flight}" if plain_flight == in_flight else f"{in_flight} ({plain_flight}*)"
-        print(f"{name:<16} {flight:>9} | {p_rate:>13.1f} {p50:>8.1f} {p99:>8.1f} | {o_rate:>16.1f} {o50:>7.1f} "
-              f"{o99:>7.1f} | {statistics.median(ratios):>5.1f}x ({min(ratios):.1f}-{max(ratios):.1f})")
+        cells = [f"{rate:>8.1f} {p50:>7.1f} {p99:>7.1f}" for rate, p50, p99 in summary.values()]
+        spans = [f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" for r in ratios.values()]
+        print(f"{name:<16} {flight:>9} | " + " | ".join(cells) + " | " + " ".join(f"{x:>15}" for x in spans))
     # The light servers' share, side by side: the same trivial calls on a pool where every server preloads numpy/sympy.
     with CodeTool(workers=args.workers, timeout=10.0, light_workers=0) as heavy_only:
         heavy_only.run_batch([(TRIVIAL, "")] * args.workers * 2)
         for in_flight in (1, 16):
             rate, p50, p99 = summarize(*ours(heavy_only, TRIVIAL, in_flight, max(int(1000 * scale), 20)))
-            light = next(r[4] for r in rows if r[0] == "(a) print(2+2)" and r[1] == in_flight)
+            light = next(r[3]["servers"] for r in rows if r[0] == "(a) print(2+2)" and r[1] == in_flight)
             print(f"(a) without light servers, {in_flight:>3} in flight: {rate:.1f} calls/s, p50 {p50:.1f} ms, "
                   f"p99 {p99:.1f} ms; with them: {light[0]:.1f} calls/s, p99 {light[2]:.1f} ms "
                   f"({light[0] / rate:.2f}x the throughput)")
     cores = os.cpu_count() or 1
-    print(f"CPU per trivial call at 16 in flight: plain interpreter {plain_ms:.1f} ms; CodeTool {server_ms + caller_ms:.2f} "
-          f"ms (servers and their call children {server_ms:.2f}, caller {caller_ms:.2f}). On {cores} cores that caps "
-          f"CodeTool at ~{cores * 1e3 / (server_ms + caller_ms):.0f} calls/s and the plain way at "
-          f"~{cores * 1e3 / plain_ms:.0f}: {plain_ms / (server_ms + caller_ms):.1f}x at best")
+    servers_ms, portable_ms = cpu["servers"] + cpu["servers caller"], cpu["subprocess"] + cpu["subprocess caller"]
+    print(f"CPU per trivial call at 16 in flight: plain interpreter {cpu['plain']:.1f} ms; CodeTool on servers "
+          f"{servers_ms:.2f} ms (servers and their call children {cpu['servers']:.2f}, caller "
+          f"{cpu['servers caller']:.2f}); CodeTool on the subprocess backend {portable_ms:.1f} ms (interpreters "
+          f"{cpu['subprocess']:.1f}, caller {cpu['subprocess caller']:.2f}). On {cores} cores that caps them at "
+          f"~{cores * 1e3 / cpu['plain']:.0f}, ~{cores * 1e3 / servers_ms:.0f} and ~{cores * 1e3 / portable_ms:.0f} "
+          f"calls/s; subprocess backend / servers: {portable_ms / servers_ms:.1f}x the CPU per call")
     base = child_faults(())
     print(f"Page faults of a trivial call's child on a light server: {base:.0f}; with `threading` in the server too "
           f"(its at-fork handler, which code_sandbox.py keeps out): +{child_faults(('threading',)) - base:.0f}")
     if any(r[1] != r[2] for r in rows):
         print(f"* the plain alternative with sympy ran at most {plain_cap} interpreters at once (~50 MB each); "
               "with every core busy its throughput cannot rise with more")
-    with CodeTool(workers=args.workers, timeout=1.0) as tool:
-        report = soak(tool, int(2000 * scale), in_flight=256)
-    print(f"\nsoak: {report['calls']} calls (1 in 10 hostile: loop / 4 GB bomb / print flood; timeout 1 s) in "
-          f"{report['wall_s']:.1f} s: lost {report['lost']}, hung {report['hung']}, hostile with the wrong status "
-          f"{report['hostile_wrong_status']}, honest calls {report['honest_per_s']:.0f}/s")
+    for backend in ("servers", "subprocess"):
+        n = int(2000 * scale) if backend == "servers" else int(500 * scale)  # (the portable one is slower)
+        with CodeTool(workers=args.workers, timeout=1.0, backend=backend) as tool:
+            report = soak(tool, n, in_flight=256)
+        print(f"\nsoak, {backend}: {report['calls']} calls (1 in 10 hostile: loop / 4 GB bomb / print flood; "
+              f"timeout 1 s) in {report['wall_s']:.1f} s: lost {report['lost']}, hung {report['hung']}, hostile "
+              f"with the wrong status {report['hostile_wrong_status']}, honest calls {report['honest_per_s']:.0f}/s")
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 

@@ -1,4 +1,6 @@
-"""Executable spec of code_tool.py: notebook-style results, then one test per hostile behaviour of model code."""
+"""Executable spec of code_tool.py: notebook-style results, then one test per hostile behaviour of
+model code, each on both backends (the worker servers and the portable subprocess backend, forced
+here) where the backend contains it; the rest skip on the subprocess backend, saying why."""
 import gc
 import os
 import shutil
@@ -15,26 +17,41 @@ import pytest
 
 import code_sandbox
 import code_tool
-from code_sandbox import CHILD_GC_THRESHOLD
-from code_tool import CodeTool, ToolResult, cut_middle
+from code_sandbox import CHILD_GC_THRESHOLD, SCRATCH_MB
+from code_tool import CodeTool, Sandbox, SandboxError, ToolResult, cut_middle
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 1.0
 LIGHT = ("math",)  # preload for tools a test starts and ends itself: they come up in a fraction of a second
+# Timeouts of the shared tools: a subprocess-backend call starts an interpreter (and imports sympy) within its own
+# timeout, which takes a second or more on a busy machine.
+TOOL_TIMEOUT = {"servers": TIMEOUT, "subprocess": 4.0}
+SOLO_TIMEOUT = {"servers": TIMEOUT, "subprocess": 2.0}
+
+
+@pytest.fixture(scope="module", params=["servers", "subprocess"])
+def backend(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def tool():
-    """The shared pool, with the default preload (numpy, sympy, ...) and short limits."""
-    with CodeTool(workers=2, timeout=TIMEOUT, memory_mb=256) as t:
+def tool(backend):
+    """The shared tool, with the default preload (numpy, sympy, ...) and short limits."""
+    with CodeTool(workers=2, timeout=TOOL_TIMEOUT[backend], memory_mb=256, backend=backend) as t:
         yield t
 
 
 @pytest.fixture(scope="module")
-def solo():
+def solo(backend):
     """One worker, so consecutive calls surely run on the same server (for the leak tests)."""
-    with CodeTool(workers=1, timeout=TIMEOUT, memory_mb=256, preload=LIGHT) as t:
+    with CodeTool(workers=1, timeout=SOLO_TIMEOUT[backend], memory_mb=256, preload=LIGHT, backend=backend) as t:
         yield t
+
+
+def servers_only(backend: str, why: str) -> None:
+    """Skip on the subprocess backend: a protection only the worker servers give (code_tool.py's modes)."""
+    if backend == "subprocess":
+        pytest.skip(f"subprocess backend: {why}")
 
 
 @pytest.fixture
@@ -55,8 +72,9 @@ def alive(pid: int) -> bool:
 
 
 def processes_of(t: CodeTool) -> list[int]:
-    """The tool's servers (the unshare processes where namespaced) and everything below them."""
-    return [p for server in t.server_pids() for p in [server, *code_sandbox._descendants(server)]]
+    """The tool's processes (servers, the unshare processes where namespaced; or the running calls'
+    interpreters) and everything below them."""
+    return [p for top in t.pids() for p in [top, *code_sandbox._descendants(top)]]
 
 
 def wait_all_gone(pids, seconds=3.0) -> list[int]:
@@ -89,7 +107,7 @@ def test_print_renders_compactly(tool):
     result = tool.run("print(2+2)")
     assert (result.status, result.stdout, result.stderr) == ("ok", "4\n", "")
     assert result.render() == "ok\n4\n"
-    assert 0 < result.elapsed < TIMEOUT
+    assert 0 < result.elapsed < tool.timeout
 
 
 @pytest.mark.parametrize("code, shown", [
@@ -107,10 +125,10 @@ def test_notebook_echo_only_when_nothing_printed(tool, code, shown):
 def test_echo_span_by_hand():
     """The caller finds the echoed expression; ast counts columns in UTF-8 bytes, the span is in characters."""
     code = "x = 1; é = 2; é"
-    assert code_sandbox.echo_span(code, code_tool.parse(code)) == [14, 15, 1]
+    assert code_tool.echo_span(code, code_tool.parse(code)) == [14, 15, 1]
     code = "y = 1\r\n(y +\n 2)  # c"
-    assert code_sandbox.echo_span(code, code_tool.parse(code)) == [7, 15, 2]
-    assert [code_sandbox.echo_span(c, code_tool.parse(c)) for c in ("x = 1", "", "def f(:")] == [None] * 3
+    assert code_tool.echo_span(code, code_tool.parse(code)) == [7, 15, 2]
+    assert [code_tool.echo_span(c, code_tool.parse(c)) for c in ("x = 1", "", "def f(:")] == [None] * 3
 
 
 def test_an_error_in_the_echoed_expression_keeps_its_line(tool):
@@ -186,9 +204,10 @@ def test_each_call_gets_fresh_random_state(tool):
     assert len(set(outs)) == 3
 
 
-def test_the_collector_stays_on_with_a_high_threshold_in_the_call(tool):
+def test_the_collector_stays_on_with_a_high_threshold_in_the_call(tool, backend):
     """A short call never pays for a full collection (CHILD_GC_THRESHOLD); a call that builds cycles still gets
     them collected."""
+    servers_only(backend, "a fresh interpreter has no frozen warm heap; Python's default threshold applies")
     code = ("import gc\nstart = gc.get_stats()[0]['collections']\nprint(gc.isenabled(), gc.get_threshold()[0])\n"
             "class Node:\n    pass\n"
             "for _ in range(200_000):\n    a, b = Node(), Node()\n    a.other, b.other = b, a\n"
@@ -211,13 +230,14 @@ def test_sys_exit_message_is_shown(solo):
     assert "exit code 3" in solo.run("import os\nos._exit(3)").stderr
 
 
-def test_killing_the_parent_does_not_reach_the_caller_or_the_server(solo):
-    before = solo.server_pids()
+def test_killing_the_parent_does_not_reach_the_caller_or_the_server(solo, backend):
+    servers_only(backend, "the call's parent is the caller, which it can signal")
+    before = solo.pids()
     code = ("import os, signal\nfor target in (os.getppid(), 1, 0, -1):\n    try:\n"
             "        os.kill(target, signal.SIGKILL)\n    except OSError:\n        pass\nprint('survived')")
     result = solo.run(code)
     assert result.status in ("ok", "crash")  # kill(0)/kill(-1) may take the call itself down
-    assert solo.server_pids() == before and all(alive(p) for p in before)
+    assert solo.pids() == before and all(alive(p) for p in before)
     assert solo.run("print('next')").stdout == "next\n"
 
 
@@ -260,7 +280,8 @@ def test_own_temporary_directory(solo):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the uid drop applies when the caller is root")
-def test_runs_unprivileged_when_the_caller_is_root(tool):
+def test_runs_unprivileged_when_the_caller_is_root(tool, backend):
+    servers_only(backend, "the code runs as the caller's user, root included")
     assert tool.run("import os\nprint(os.getuid(), os.geteuid(), os.getgid(), os.getgroups())").stdout == \
         "65534 65534 65534 []\n"
     with tempfile.NamedTemporaryFile(dir="/tmp") as f:
@@ -272,7 +293,7 @@ def test_runs_unprivileged_when_the_caller_is_root(tool):
 
 def test_lazy_imports_work_after_dropping_privileges(tool):
     """Modules outside PRELOAD load from disk even where the install is under root's 0700 home."""
-    if tool.sandbox == "fallback" and os.geteuid() == 0:
+    if tool.sandbox == "fallback-root":
         pytest.skip("documented gap: without a mount namespace, nobody may not be able to read the Python install")
     result = tool.run("import sys\nfresh = 'wave' not in sys.modules\nimport wave, colorsys\nprint(fresh)")
     assert result.stdout == "True\n"
@@ -286,11 +307,11 @@ def test_lazy_imports_work_after_dropping_privileges(tool):
     "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nsignal.alarm(1)\nwhile True:\n    pass",
     "import signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals))\ntime.sleep(30)",
 ])
-def test_timeout_is_enforced_from_outside(tool, code):
+def test_timeout_is_enforced_from_outside(solo, code):
     start = time.monotonic()
-    result = tool.run(code)
-    assert result.status == "timeout" and result.stderr.endswith("killed after 1 s\n")
-    assert TIMEOUT <= result.elapsed < TIMEOUT + 0.5 and time.monotonic() - start < TIMEOUT + 2
+    result = solo.run(code)
+    assert result.status == "timeout" and result.stderr.endswith(f"killed after {solo.timeout:g} s\n")
+    assert solo.timeout <= result.elapsed < solo.timeout + 0.5 and time.monotonic() - start < solo.timeout + 2
 
 
 @pytest.mark.parametrize("code", ["x = bytearray(2 * 1024**3)", "x = [0] * 10**9",
@@ -308,8 +329,8 @@ def test_cannot_raise_its_memory_limit(tool):
 
 
 @pytest.mark.parametrize("stream", ["sys.stdout", "sys.stderr"])
-def test_output_flood_is_capped(stream):
-    with CodeTool(workers=1, timeout=5.0, max_output_bytes=1 << 16, preload=LIGHT) as small:
+def test_output_flood_is_capped(stream, backend):
+    with CodeTool(workers=1, timeout=5.0, max_output_bytes=1 << 16, preload=LIGHT, backend=backend) as small:
         result = small.run(f"import sys\nwhile True:\n    {stream}.write('x' * 1000)")
     assert result.status == "output_limit" and result.elapsed < 2.0  # stopped at the cap, not at the timeout
     read = result.stdout if stream == "sys.stdout" else result.stderr.split("\nkilled after")[0]
@@ -324,7 +345,9 @@ def test_output_flood_is_capped(stream):
     "import threading, time\ndef beat():\n    while True:\n        open({beat!r}, 'a').write('x')\n"
     "        time.sleep(0.02)\nthreading.Thread(target=beat).start()",
 ])
-def test_everything_spawned_is_gone_when_the_call_returns(solo, shared_dir, spawn):
+def test_everything_spawned_is_gone_when_the_call_returns(solo, backend, shared_dir, spawn):
+    if "setsid" in spawn or "start_new_session" in spawn:
+        servers_only(backend, "a process that leaves the call's process group (setsid) outlives the call")
     beat = shared_dir / "beat"
     result = solo.run(spawn.format(beat=str(beat)) + "\nimport time\ntime.sleep(0.3)\nprint('returning')")
     assert result.stdout == "returning\n"
@@ -332,7 +355,8 @@ def test_everything_spawned_is_gone_when_the_call_returns(solo, shared_dir, spaw
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the process cap applies to uid nobody, used when the caller is root")
-def test_fork_bomb_stops_at_the_process_cap_and_is_cleaned_up():
+def test_fork_bomb_stops_at_the_process_cap_and_is_cleaned_up(backend):
+    servers_only(backend, "no process cap: the code runs as the caller's user")
     code = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(30)\n"
             "            os._exit(0)\n        n += 1\nexcept OSError:\n    print('stopped after', n)")
     with CodeTool(workers=1, timeout=10.0, preload=LIGHT) as t:
@@ -357,22 +381,25 @@ def test_network_is_blocked(tool):
 # ----------------------------------------------------------------------------------- faults
 def test_worker_killed_mid_call_fails_that_call_and_the_pool_recovers():
     with CodeTool(workers=1, timeout=5.0, preload=LIGHT) as t:
-        victim = t.server_pids()[0]
+        victim = t.pids()[0]
         future = t.submit("import time\ntime.sleep(3)\nprint('never')")
         time.sleep(0.3)
         os.kill(victim, signal.SIGKILL)
         assert future.result(timeout=10).status == "crash"
         assert t.run("print('recovered')").stdout == "recovered\n"
-        assert t.server_pids() != [victim]
+        assert t.pids() != [victim]
 
 
-def test_close_leaves_no_process_behind():
-    t = CodeTool(workers=2, timeout=5.0, preload=LIGHT)
-    future = t.submit("import subprocess, time\nsubprocess.Popen(['sleep', '30'], start_new_session=True)\n"
-                      "time.sleep(30)")
-    time.sleep(0.5)
-    ours, bases = processes_of(t), [s.base for s in t._pool.servers]
-    assert len(ours) >= t.workers + 2 and all(os.path.isdir(b) for b in bases)  # servers, call child, its sleep
+def test_close_leaves_no_process_behind(backend):
+    t = CodeTool(workers=2, timeout=5.0, preload=LIGHT, backend=backend)
+    # (a process that leaves the call's group outlives it on the subprocess backend: see the spawn test)
+    future = t.submit("import subprocess, time\nsubprocess.Popen(['sleep', '30'], "
+                      f"start_new_session={backend == 'servers'})\ntime.sleep(30)")
+    time.sleep(0.5 if backend == "servers" else 1.5)
+    ours = processes_of(t)
+    bases = [s.base for s in t._backend.servers] if backend == "servers" else []
+    # servers, call child, its sleep; or the call's interpreter and its sleep
+    assert len(ours) >= (t.workers if backend == "servers" else 0) + 2 and all(os.path.isdir(b) for b in bases)
     t.close()
     assert not any(os.path.exists(b) for b in bases)  # the servers' directories too
     assert future.result(timeout=5).status == "crash"
@@ -381,18 +408,22 @@ def test_close_leaves_no_process_behind():
         t.submit("print(1)")
 
 
-def test_garbage_collection_closes_the_pool():
-    t = CodeTool(workers=1, preload=LIGHT)
+def test_garbage_collection_closes_the_pool(backend):
+    t = CodeTool(workers=1, timeout=30.0, preload=LIGHT, backend=backend)
     assert t.run("print(1)").ok
+    future = t.submit("import time\ntime.sleep(30)")
+    time.sleep(0.5 if backend == "servers" else 1.5)
     pids = processes_of(t)
     del t
     gc.collect()
     assert pids and wait_all_gone(pids) == []
+    assert future.result(timeout=10).status == "crash"
 
 
-def test_interpreter_exit_closes_the_pool():
-    script = "import code_tool\nt = code_tool.CodeTool(workers=2, preload=('math',))\nprint(t.run('print(7)').stdout)"
-    # the child prints its servers' pids too, so we can look for them after it is gone
+def test_interpreter_exit_closes_the_pool(backend):
+    script = (f"import code_tool, time\nt = code_tool.CodeTool(workers=2, preload=('math',), backend={backend!r})\n"
+              "print(t.run('print(7)').stdout)\nt.submit('import time\\ntime.sleep(30)')\ntime.sleep(1.5)")
+    # the child prints its processes' pids too (servers, the running call), to look for them after it is gone
     script += "\nimport code_sandbox\nprint(*code_sandbox._descendants(__import__('os').getpid()))"
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     lines = done.stdout.splitlines()
@@ -401,11 +432,18 @@ def test_interpreter_exit_closes_the_pool():
     assert pids and wait_all_gone(pids) == []
 
 
+def fallback() -> Sandbox:
+    """The servers' sandbox where unshare does not work."""
+    return Sandbox("fallback-root" if os.geteuid() == 0 else "fallback-user", why="unshare failed: (test)")
+
+
 def test_fallback_sandbox_still_contains_escapes(monkeypatch, shared_dir):
-    """Without unshare: the /proc walk under a subreaper still removes a setsid() grandchild after the call."""
-    monkeypatch.setattr(code_tool, "_SANDBOX", ("fallback", []))
+    """Without unshare: the /proc walk under a subreaper still removes a setsid() grandchild after the call;
+    the call directories are on disk (the default temporary directory), not in RAM under /dev/shm."""
+    monkeypatch.setattr(code_tool, "_PROBED", fallback())
     with CodeTool(workers=1, timeout=TIMEOUT, preload=LIGHT) as t:
-        assert t.sandbox == "fallback"
+        assert t.sandbox == fallback().mode
+        assert t.run("import os\nprint(os.getcwd())").stdout.startswith(tempfile.gettempdir() + "/")
         beat = shared_dir / "beat"
         code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sh', ['sh', '-c', "
                 f"'while true; do echo x >> {beat}; sleep 0.02; done'])\ntime.sleep(0.3)")
@@ -426,7 +464,8 @@ def test_needs_heavy_routes_by_what_the_code_imports():
     assert [code_tool.needs_heavy(c, code_tool.parse(c)) for c in heavy] == [True] * len(heavy)
 
 
-def test_plain_calls_fork_from_a_light_server_and_imports_from_a_heavy_one(tool):
+def test_plain_calls_fork_from_a_light_server_and_imports_from_a_heavy_one(tool, backend):
+    servers_only(backend, "no servers: every call starts a fresh interpreter")
     assert tool.workers == 2 and tool.light_workers == 1
     loaded = "import sys\nprint(sorted(m for m in ('numpy', 'sympy') if m in sys.modules))"
     assert tool.run(loaded).stdout == "[]\n"  # standard library only: the light server
@@ -484,7 +523,7 @@ def one_core(monkeypatch):
 
 def test_a_burst_of_quick_light_calls_stays_on_the_light_server(one_core, monkeypatch):
     """A heavy server's fork costs a trivial call twice the CPU: quick light calls queue for the light server."""
-    monkeypatch.setattr(one_core._pool, "help_after", 5.0)  # "quick", even on a loaded CI machine
+    monkeypatch.setattr(one_core._backend, "help_after", 5.0)  # "quick", even on a loaded CI machine
     results = one_core.run_batch([("import sys\nprint('numpy' in sys.modules)", "")] * 40)
     assert [r.stdout for r in results] == ["False\n"] * 40
 
@@ -502,3 +541,71 @@ def test_a_call_child_inherits_no_at_fork_handlers_of_threading(solo):
     assert solo.run("import sys\nsorted(m for m in ('threading', 'subprocess', 'logging') if m in sys.modules)"
                     ).stdout == "[]\n"
     assert solo.run("import threading\nthreading.Thread(target=print, args=(5,)).start()").stdout == "5\n"
+
+
+# ----------------------------------------------------------------------------------- backends, modes, RAM
+def test_backend_is_chosen_by_name_or_by_what_the_platform_offers(monkeypatch):
+    assert code_tool.choose_sandbox("subprocess").mode == "subprocess"
+    assert code_tool.choose_sandbox("auto").mode != "subprocess"  # this Linux runs the servers
+    with pytest.raises(SandboxError, match=r"tool_backend must be one of auto, servers, subprocess, got 'docker'"):
+        code_tool.choose_sandbox("docker")
+    monkeypatch.delattr(os, "pidfd_open")  # as on macOS, or an old kernel
+    chosen = code_tool.choose_sandbox("auto")
+    assert chosen.mode == "subprocess" and "pidfd_open" in chosen.why
+    with pytest.raises(SandboxError, match="tool_backend=servers: .*pidfd_open"):
+        code_tool.choose_sandbox("servers")
+
+
+def test_a_less_isolated_mode_says_so_once_on_stderr(monkeypatch, capfd):
+    monkeypatch.setattr(code_tool, "_ANNOUNCED", set())
+    for _ in range(2):
+        with CodeTool(workers=1, backend="subprocess") as t:
+            assert t.backend == "subprocess" and t.run("print(3)").stdout == "3\n"
+    err = capfd.readouterr().err
+    assert err.count("code tool sandbox: subprocess") == 1 and "slower" in err and "network OPEN" in err
+    assert "your processes (the trainer too)" in Sandbox("fallback-user").line() and \
+        "no network" in Sandbox("namespaces", scratch_mb=SCRATCH_MB).line()
+
+
+def test_require_isolation_refuses_every_mode_but_namespaces(monkeypatch):
+    with pytest.raises(SandboxError, match="tool_require_isolation is set, but .* subprocess"):
+        CodeTool(workers=1, backend="subprocess", require_isolation=True)
+    if code_tool.probe_servers().mode == "namespaces":
+        with CodeTool(workers=1, preload=LIGHT, require_isolation=True) as t:
+            assert t.run("print(1)").ok
+    monkeypatch.setattr(code_tool, "_PROBED", fallback())
+    with pytest.raises(SandboxError, match=f"tool_require_isolation is set, but .* {fallback().mode}"):
+        CodeTool(workers=1, preload=LIGHT, require_isolation=True)
+
+
+def scratch_fill(mb: int) -> str:
+    """Code that prints its directory's file system size in MB, then writes three files of mb MB there."""
+    return ("import errno, os\nsize = os.statvfs('.').f_blocks * os.statvfs('.').f_frsize >> 20\n"
+            f"try:\n    for i in range(3):\n        open(f'f{{i}}', 'wb').write(b'x' * ({mb} << 20))\n"
+            "    print(size, 'all written')\nexcept OSError as e:\n    print(size, i, errno.errorcode[e.errno])")
+
+
+def test_call_files_hold_at_most_scratch_mb_of_ram(solo):
+    """The call directory is a tmpfs of SCRATCH_MB in the server's mount namespace: a call's files cannot fill
+    the machine's RAM (each file alone is under FILE_LIMIT_MB), and the space is back for the next call."""
+    if solo.sandbox != "namespaces":
+        pytest.skip("the tmpfs needs the server's own mount namespace (elsewhere call files are on disk)")
+    half = SCRATCH_MB // 2 - 2
+    assert solo.run(scratch_fill(half)).stdout == f"{SCRATCH_MB} 2 ENOSPC\n"
+    assert solo.run(scratch_fill(half // 2)).stdout == f"{SCRATCH_MB} all written\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="simulates a non-root user as root")
+def test_a_non_root_namespaced_server_keeps_no_capability_and_still_caps_call_files():
+    """The non-root path of "namespaces", run here as uid 1000 (a user namespace that maps the real uid): the
+    server mounts the call directories' tmpfs in a user namespace of its own, then drops every capability."""
+    script = ("import code_tool, code_sandbox\nt = code_tool.CodeTool(workers=1, preload=('math',))\n"
+              "print(t.sandbox)\nprint(t.run(\"import os\\nprint(os.getuid(), open('/proc/self/status').read()"
+              ".split('CapEff:')[1].split()[0])\").stdout, end='')\n"
+              f"print(t.run({scratch_fill(SCRATCH_MB // 2 - 2)!r}).stdout, end='')\nt.close()")
+    done = subprocess.run(["unshare", "--user", "--map-user=1000", "--map-group=1000", sys.executable, "-c",
+                           script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0 and "unshare failed" in done.stderr:
+        pytest.skip(f"no user namespaces here: {done.stderr.strip()}")
+    assert done.stdout.splitlines() == ["namespaces", "1000 0000000000000000", f"{SCRATCH_MB} 2 ENOSPC"], \
+        done.stderr

@@ -166,7 +166,7 @@ def test_cli_run_with_scripted_sampler_writes_results_and_exactly_the_unsolved(t
     monkeypatch.setattr(ev, "check_model_path", lambda path: None)  # the scripted sampler needs no model
     cfg = load_config(ev.EvalConfig, [ev.__file__.replace("eval.py", "configs/tiny/eval.yaml")],
                       [f"benchmarks=[{bench}]", "samples=3", f"out_dir={tmp_path / 'out'}", "tool_workers=1",
-                       f"unsolved_out={tmp_path / 'stage3.jsonl'}"])
+                       f"unsolved_out={tmp_path / 'stage3.jsonl'}", "tool_backend=subprocess"])
     results = ev.run(cfg)
     m = results["train_level2"]
     per_problem = [1.0, 2 / 3, 0.0]
@@ -193,6 +193,7 @@ def test_cli_run_with_scripted_sampler_writes_results_and_exactly_the_unsolved(t
     text = ev.show(tmp_path / "out" / "trajectories.jsonl", 0)
     assert "Problem A." in text and "--- tool call ok: code\nprint(3*4)" in text and "\\boxed{12}" in text
     assert "--- tool response\nok\n12" in text
+    assert (tmp_path / "out" / "sandbox.txt").read_text().startswith("code tool sandbox: subprocess (")
 
 
 def test_vllm_sampler_is_built_with_the_config_and_a_valid_signature(tmp_path, monkeypatch):
@@ -237,6 +238,14 @@ def test_tiny_model_on_aime_writes_results_and_trajectories(tmp_path, data_dir, 
     ev.main(["show", str(out / "trajectories.jsonl"), "5"])
     shown = capsys.readouterr().out
     assert "=== trajectory 5 | aime24 problem 2 (id 2024-I-3) sample 1" in shown and gold[2]["problem"] in shown
+
+
+def test_required_isolation_refuses_the_subprocess_backend_before_any_work(tmp_path):
+    import eval as ev
+    with pytest.raises(SystemExit, match="config error: tool_require_isolation is set, but .* subprocess"):
+        ev.main(["configs/tiny/eval.yaml", f"model_path={tmp_path / 'nope'}", f"out_dir={tmp_path / 'out'}",
+                 "tool_backend=subprocess", "tool_require_isolation=true"])
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_model_is_an_input_error_before_any_work(tmp_path):

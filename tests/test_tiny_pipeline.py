@@ -30,3 +30,4 @@ def test_quick_pipeline_runs_every_stage_and_writes_the_summary(tmp_path):
     assert "sft -> stage3" in done.stdout
     assert (tmp_path / "tiny" / "eval_stage3" / "report.html").is_file()  # eval.py writes each report
     assert "eval_sft vs eval_stage3" in (tmp_path / "tiny" / "compare_sft_stage3.html").read_text()
+    assert summary["tool_sandbox"].startswith("code tool sandbox: ") and summary["tool_sandbox"] in done.stderr

@@ -116,6 +116,7 @@ def test_train_entry_point_learns_on_scripted_rollouts(tiny, tmp_path, monkeypat
         assert torch.equal(a, b)
     assert (out / "latest").read_text().strip() == "checkpoint-2"
     assert (out / "config.yaml").is_file() and (out / "curves.png").stat().st_size > 1000
+    assert (out / "sandbox.txt").read_text().startswith("code tool sandbox: ")  # what model code could reach
 
 
 def test_a_sampler_left_with_old_weights_stops_the_run_after_the_first_step(tiny, tmp_path, monkeypatch):
@@ -152,6 +153,8 @@ def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkey
     (["roc_mode=best"], "roc_mode must be"),
     (["group_sise=4"], "unknown config key 'group_sise'"),
     (["sampler=vllm", "vllm_tensor_parallel_size=2"], "vllm_tensor_parallel_size=2: only 1 is supported"),
+    (["tool_backend=docker"], "config error: tool_backend must be one of auto, servers, subprocess, got 'docker'$"),
+    (["tool_backend=subprocess", "tool_require_isolation=true"], "config error: tool_require_isolation is set"),
 ])
 def test_bad_input_stops_before_any_work_with_a_clear_message(tiny, tmp_path, extra, message):
     with pytest.raises(SystemExit, match=message):
