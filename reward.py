@@ -48,6 +48,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
@@ -319,7 +320,7 @@ class CheckPool:
     """
 
     def __init__(self, workers: int = WORKERS, timeout_s: float = TIMEOUT_S, equal_fn=math_verify_equal,
-                 startup_s: float = 60.0, memory_bytes: int = WORKER_MEMORY_BYTES):
+                 startup_s: float = 300.0, memory_bytes: int = WORKER_MEMORY_BYTES):
         self.workers, self.timeout_s, self.startup_s = workers, timeout_s, startup_s
         self._memory_bytes = memory_bytes
         self._places = [json.dumps(_where(_worker_loop)), json.dumps(_where(equal_fn))]
@@ -400,14 +401,10 @@ class CheckPool:
         except queue.Empty:
             return False, "timeout"  # every worker busy or stuck starting for a long time
         if not worker.ready:  # a fresh worker says "ready" once its imports are done (not charged to this check)
-            try:
-                worker.ready = worker.conn.poll(self.startup_s) and worker.conn.recv() == "ready"
-            except (EOFError, OSError):
-                pass
-            if not worker.ready:  # a broken install, not a hostile answer: say so instead of scoring 0 forever
+            problem = self._wait_ready(worker)
+            if problem:  # a broken install or a stalled machine, not a hostile answer: say so, never score 0 forever
                 self._release(worker, healthy=False)
-                raise RuntimeError("reward check worker did not start (is math-verify installed? can a fresh Python "
-                                   "import reward.py?); see its traceback above")
+                raise RuntimeError(f"reward check worker {problem}")
         try:
             worker.conn.send((pred, gold))
             if worker.conn.poll(self.timeout_s):
@@ -419,6 +416,25 @@ class CheckPool:
             status = "crash"
         self._release(worker, healthy=False)
         return False, status
+
+    def _wait_ready(self, worker: _Worker) -> str | None:
+        """Wait for a fresh worker's "ready" while its process lives (imports take seconds, and much longer on a
+        loaded machine), at most startup_s; None when it is ready, else what went wrong."""
+        deadline = time.monotonic() + self.startup_s
+        try:
+            while time.monotonic() < deadline:
+                if worker.conn.poll(min(1.0, max(deadline - time.monotonic(), 0.0))):
+                    worker.ready = worker.conn.recv() == "ready"
+                    return None if worker.ready else "sent something other than 'ready'"
+                if worker.process.poll() is not None:
+                    break
+        except (EOFError, OSError):
+            pass
+        if worker.process.poll() is None:
+            return (f"did not start: still importing after {self.startup_s:g} s (an overloaded machine? raise "
+                    f"CheckPool(startup_s=...))")
+        return ("did not start: it exited before it was ready (is math-verify installed? can a fresh Python "
+                "import reward.py?); see its traceback above")
 
     def close(self) -> None:
         """Stop every worker now: ask the idle ones to exit, give them half a second, then SIGKILL what is left.

@@ -6,8 +6,10 @@ and every gold answer of the evaluation sets in data/ (written as the model woul
 EQUIV_CASES is also what bench/reward.py scores both checkers on.
 """
 import json
+from concurrent.futures import ThreadPoolExecutor
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -277,7 +279,9 @@ def test_random_latex_soup_never_raises():
 def test_sympy_hang_times_out_and_is_counted():
     p = CheckPool(workers=2, timeout_s=1.0)
     try:
-        assert check(r"\frac12", "0.5", p) == Verdict(True, "slow")  # warm: workers started
+        with ThreadPoolExecutor(2) as pool:  # two checks at once: both workers have finished their imports
+            warm = list(pool.map(lambda _: check(r"\frac12", "0.5", p), range(2)))
+        assert warm == [Verdict(True, "slow")] * 2
         start = time.perf_counter()
         verdict = check(r"\frac{(x+y+z)^{60}}{(x+y)^{59}}", "204", p)  # sympy runs for minutes on this one
         elapsed = time.perf_counter() - start
@@ -442,3 +446,17 @@ def test_every_gold_answer_scores_1_and_an_altered_one_0(pool, name, data_dir):
     # Identical texts are accepted without sympy, so also ask Math-Verify itself to accept each non-numeric gold.
     latex = [reward.normalize(g) for g in golds if reward.as_number(reward.normalize(g)) is None]
     assert [g for g in latex if pool.run(g, g) != (True, "slow")] == []
+
+
+def test_a_worker_slow_to_start_is_waited_for_and_a_stalled_one_is_named():
+    """Imports on a loaded machine can take minutes: a live worker is waited for up to startup_s, and one that is
+    still importing after that is reported as such (not as a missing install)."""
+    p = CheckPool(workers=1, timeout_s=5.0, startup_s=0.5)
+    try:
+        p.start()
+        worker = p._idle.queue[0]
+        worker.process.send_signal(signal.SIGSTOP)  # a worker that cannot finish its imports in time
+        with pytest.raises(RuntimeError, match="did not start: still importing after 0.5 s"):
+            check(r"\frac12", "0.5", p)
+    finally:
+        p.close()
