@@ -21,6 +21,12 @@ Every rollout goes to `out_dir/trajectories.jsonl` (one line per (problem, sampl
 each tool call's code, stdin, status and the response the model saw, the extracted answer and the reward. Token ids
 and log-probs are left out (30K ids x 16 samples x 500 problems would dominate the file); counts are kept.
 
+The output folder is never lost to a crash or a typo: inputs are checked before it is touched; each benchmark's
+trajectories are appended and fsynced before results.json (replaced atomically) names it, so a rerun with the same
+config keeps the finished benchmarks, drops any partial lines, and evaluates only the rest (a finished evaluation is
+read back, not redone). results.json records the config, the benchmark files' sha256 and the model files' sizes and
+times; an evaluation of another config or model in out_dir is refused unless `overwrite=true`.
+
 Benchmarks: a JSONL path ({"problem", "answer", ...} per line; a bad line stops with file:line), or a name from
 BENCHMARKS (aime24, aime25, hmmt25, math500), which reads the copy shipped in data/ (no network; sources, licences
 and the checks made on them: data/SOURCES.md).
@@ -45,10 +51,12 @@ prompt or answer format.
 """
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from checkpoint import atomic_write_text, config_changes, filter_jsonl, read_jsonl_rows, run_identity
 from config import check_ranges, format_config, parse_cli, save_config
 from data import check_model_path, load_problems, write_jsonl
 from protocol import DEFAULT_USER_INSTRUCTION, IM_END, chat_format, parse_tool_call
@@ -85,6 +93,7 @@ class EvalConfig:
     limit: int = 0                        # first N problems of each benchmark (0: all), for quick runs
     seed: int = 0
     unsolved_out: str | None = None       # write problems solved < k of k times here (stage-3 data, report sec. 6)
+    overwrite: bool = False               # replace an evaluation of another config or model found in out_dir
     # --- code tool (report section 5; public code: 4 s, 1,000 chars)
     tool_workers: int = 4
     tool_timeout: float = 4.0
@@ -117,6 +126,11 @@ def check_config(cfg: EvalConfig) -> None:
         problems.append("model_path is required")
     if problems:
         raise SystemExit("config error: " + "; ".join(problems))
+
+
+# Keys that may differ from the evaluation already in out_dir when continuing or re-reading it: they change no sample.
+CONTINUE_FREE = {"out_dir", "overwrite", "unsolved_out", "tool_workers", "tool_backend", "tool_require_isolation",
+                 "vllm_gpu_memory_utilization"}
 
 
 # ============================================================================ metrics (pure)
@@ -248,14 +262,65 @@ def trajectory_record(benchmark: str, problem: dict, problem_index: int, sample:
 
 
 # ============================================================================ benchmarks
-def load_benchmark(spec: str) -> tuple[str, list[dict]]:
-    """(name, problems) for a JSONL path or a BENCHMARKS name; raises ValueError naming what is wrong."""
+def benchmark_file(spec: str) -> Path:
+    """The JSONL file of a benchmark path or BENCHMARKS name; ValueError for an unknown name."""
     path = Path(spec)
     if path.suffix == ".jsonl" or path.is_file() or "/" in spec:
-        return path.stem, load_problems(path)
+        return path
     if spec not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {spec!r}: give a JSONL path or one of {', '.join(BENCHMARKS)}")
-    return spec, load_problems(BENCHMARKS[spec])
+    return BENCHMARKS[spec]
+
+
+def load_benchmark(spec: str) -> tuple[str, list[dict]]:
+    """(name, problems) for a JSONL path or a BENCHMARKS name; raises ValueError naming what is wrong."""
+    path = benchmark_file(spec)
+    return (path.stem if path != BENCHMARKS.get(spec) else spec), load_problems(path)
+
+
+# ============================================================================ the output folder
+def eval_identity(cfg: EvalConfig) -> dict:
+    """What results.json records of the evaluation: config, benchmark files' sha256, and the size and mtime of each
+    model file (a model retrained in place is another model; hashing 30 GB of weights would take minutes)."""
+    identity = run_identity(cfg, [benchmark_file(b) for b in cfg.benchmarks])
+    folder = Path(cfg.model_path)
+    identity["model_files"] = {str(p.relative_to(folder)): [p.stat().st_size, p.stat().st_mtime_ns]
+                               for p in sorted(folder.rglob("*")) if p.is_file()} if folder.is_dir() else None
+    return identity
+
+
+def finished_benchmarks(out: Path, cfg: EvalConfig, identity: dict) -> dict:
+    """The metrics of the benchmarks an earlier run finished in out_dir with this config and model (kept, not
+    redone); {} for a new folder or with overwrite=true. Any other evaluation there is refused."""
+    path = out / "results.json"
+    if not path.is_file() or cfg.overwrite:
+        return {}
+    saved = json.loads(path.read_text())
+    if "identity" not in saved:
+        changes = {"config": "not recorded"}
+    else:
+        changes = config_changes(saved["identity"], identity, CONTINUE_FREE)
+        if saved["identity"].get("model_files") != identity["model_files"]:
+            changes["model files"] = f"{cfg.model_path} changed since"
+    if changes:
+        raise SystemExit(f"eval: {out} holds another evaluation ({'; '.join(f'{k}: {v}' for k, v in changes.items())})"
+                         f"; use another out_dir, or overwrite=true to replace it")
+    return saved["benchmarks"]
+
+
+def keep_trajectories(path: Path, benchmarks) -> None:
+    """Cut trajectories.jsonl back to the lines of the finished `benchmarks` (a kill may have left part of the next
+    one, or a damaged last line), replacing the file atomically when anything goes."""
+    filter_jsonl(path, lambda row: row.get("benchmark") in benchmarks)
+
+
+def unsolved_from(path: Path, benches: list[tuple[str, list[dict]]], k: int) -> list[dict]:
+    """`unsolved` over every benchmark, read back from trajectories.jsonl (finished earlier or in this run)."""
+    correct = {}
+    for _, r in read_jsonl_rows(path):
+        key = (r["benchmark"], r["problem_index"])
+        correct[key] = correct.get(key, 0) + (r["reward"] == 1)
+    return [p for name, problems in benches for i, p in enumerate(problems) if correct.get((name, i), 0) < k]
 
 
 # ============================================================================ command line
@@ -314,7 +379,9 @@ def load_model(cfg: EvalConfig):
 
 
 def run(cfg: EvalConfig) -> dict:
-    """The command-line evaluation: every benchmark, results.json, trajectories.jsonl, unsolved_out."""
+    """The command-line evaluation: every benchmark, results.json, trajectories.jsonl, unsolved_out.
+    Inputs are checked before out_dir is touched. A benchmark is finished when results.json names it (written after
+    its trajectories are on disk); a rerun with the same config keeps finished benchmarks and does the rest."""
     check_config(cfg)
     from transformers import set_seed
     from code_tool import CodeTool, SandboxError, announce, choose_sandbox
@@ -323,10 +390,7 @@ def run(cfg: EvalConfig) -> dict:
     except SandboxError as e:
         raise SystemExit(f"config error: {e}") from None
     out = Path(cfg.out_dir)
-    print(format_config(cfg))
-    save_config(cfg, out / "config.yaml")
-    (out / "sandbox.txt").write_text(announce(sandbox) + "\n")
-    try:  # every input error before the model loads
+    try:  # every input error before the model loads and before out_dir is touched
         check_model_path(cfg.model_path)
         benches = [load_benchmark(b) for b in cfg.benchmarks]
     except ValueError as e:
@@ -334,31 +398,47 @@ def run(cfg: EvalConfig) -> dict:
     names = [n for n, _ in benches]
     benches = [(n if names.count(n) == 1 else spec, probs[:cfg.limit] if cfg.limit else probs)
                for (n, probs), spec in zip(benches, cfg.benchmarks)]  # two files named test.jsonl: use the paths
-    sampler, tokenizer = load_model(cfg)
-    fmt = chat_format(cfg.system_prompt, cfg.user_instruction)
-    results, missed, k = {}, [], cfg.samples
+    identity = eval_identity(cfg)
+    results = finished_benchmarks(out, cfg, identity)
+    print(format_config(cfg))
+    out.mkdir(parents=True, exist_ok=True)
+    if not results:
+        (out / "results.json").unlink(missing_ok=True)
+    save_config(cfg, out / "config.yaml")
+    (out / "sandbox.txt").write_text(announce(sandbox) + "\n")
     traj_file = out / "trajectories.jsonl"
-    with CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
-                  max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
-                  require_isolation=cfg.tool_require_isolation) as tool, traj_file.open("w", encoding="utf-8") as f:
-        for name, problems in benches:
-            print(f"{name}: {len(problems)} problems x {k} samples")
-            set_seed(cfg.seed)  # each benchmark's samples do not depend on which benchmarks ran before it
-            metrics, trajs = evaluate(problems, sampler, tool, tokenizer, fmt, k, cfg.max_response_tokens,
-                                      cfg.max_turns, cfg.temperature, cfg.top_p, cfg.batch_size, cfg.sync_turns,
-                                      progress=True)
-            results[name] = metrics
-            for i, traj in enumerate(trajs):  # written as each benchmark finishes: a crash keeps the earlier ones
-                record = trajectory_record(name, problems[i // k], i // k, i % k, traj)
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            f.flush()
-            missed += unsolved(problems, [trajs[i:i + k] for i in range(0, len(trajs), k)])
-            (out / "results.json").write_text(json.dumps({"model_path": cfg.model_path, "benchmarks": results},
-                                                         indent=1))
+    keep_trajectories(traj_file, results)
+    k = cfg.samples
+    todo = [(name, problems) for name, problems in benches if name not in results]
+    if len(todo) < len(benches):
+        print(f"kept from the earlier run in {out}: {', '.join(results)} (overwrite=true evaluates them again)")
+    if todo:
+        sampler, tokenizer = load_model(cfg)
+        fmt = chat_format(cfg.system_prompt, cfg.user_instruction)
+        tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
+                        max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
+                        require_isolation=cfg.tool_require_isolation)
+        with tool, traj_file.open("a", encoding="utf-8") as f:
+            for name, problems in todo:
+                print(f"{name}: {len(problems)} problems x {k} samples")
+                set_seed(cfg.seed)  # each benchmark's samples do not depend on which benchmarks ran before it
+                metrics, trajs = evaluate(problems, sampler, tool, tokenizer, fmt, k, cfg.max_response_tokens,
+                                          cfg.max_turns, cfg.temperature, cfg.top_p, cfg.batch_size,
+                                          cfg.sync_turns, progress=True)
+                for i, traj in enumerate(trajs):  # on disk before results.json names the benchmark
+                    record = trajectory_record(name, problems[i // k], i // k, i % k, traj)
+                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+                results[name] = metrics
+                atomic_write_text(out / "results.json", json.dumps(
+                    {"model_path": cfg.model_path, "benchmarks": results, "identity": identity}, indent=1))
+    results = {name: results[name] for name, _ in benches}
     print(format_table(results))
     print(f"wrote {out / 'results.json'} and {traj_file}")
     print(f"wrote {write_report(out)}")  # the page to browse them (report.py)
     if cfg.unsolved_out is not None:
+        missed = unsolved_from(traj_file, benches, k)
         write_jsonl(cfg.unsolved_out, missed)
         print(f"wrote {cfg.unsolved_out}: {len(missed)} problems solved fewer than {k} of {k} times")
     return results

@@ -28,7 +28,10 @@ optimizer, scheduler, every rank's RNG states) and the data position (epoch, mic
 A run started again in the same folder continues from the newest complete checkpoint (`resume=auto`, the default):
 the epoch's micro-batch order is rebuilt from (seed, epoch), the batches already read are skipped, and metrics.jsonl
 is cut back to the checkpoint's step, so the resumed run ends with the same weights and log as one that never
-stopped. `resume=never` refuses a folder that already holds a run; `resume=PATH` starts from that checkpoint.
+stopped. `resume=never` refuses a folder that already holds a run; `resume=PATH` starts from that checkpoint. A resume
+whose config or data differ from the checkpoint's is refused unless the keys are named in `resume_allow_changes`;
+a folder stopped before its first checkpoint starts over with its log kept aside (checkpoint.py has the rules).
+A NaN or infinite loss stops the run before the weights change; model/ is written beside and renamed.
 
 Run:  python sft.py configs/tiny/sft.yaml [key=value ...]
       accelerate launch --num_processes 8 sft.py my_sft.yaml      (data-parallel)
@@ -40,7 +43,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,7 +52,8 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from checkpoint import load_checkpoint, resume_point, save_checkpoint, truncate_log
+from checkpoint import (begin_run, latest_checkpoint, load_checkpoint, replace_dir, resume_point, run_identity,
+                        save_checkpoint, staging_dir)
 from config import check_ranges, config_dict, format_config, parse_cli, save_config
 from data import check_model_path, load_conversations
 from protocol import DEFAULT_USER_INSTRUCTION, chat_format
@@ -88,6 +92,12 @@ class SFTConfig:
     save_every: int = 0  # optimizer steps between checkpoints (0: none); a multiple of log_every
     keep_checkpoints: int = 2  # newest checkpoints kept in out_dir
     resume: str = "auto"  # "auto": continue from out_dir's latest checkpoint; "never"; or a checkpoint folder
+    resume_allow_changes: list[str] = field(default_factory=list)  # config keys that may differ from the checkpoint's
+
+# Keys that may differ from the checkpoint's config on resume without `resume_allow_changes`: they change neither the
+# weights nor the logged numbers (trackers, checkpoint cadence). log_every is not free: it sets which steps' losses
+# each metrics line averages.
+RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "report_to", "save_every", "keep_checkpoints"}
 
 
 # Allowed values of the numeric fields (config.check_ranges), checked by `check_inputs` before any work.
@@ -215,13 +225,29 @@ def log_step(acc: Accelerator, metrics_path: Path, row: dict, bar) -> None:
 
 
 def save_model(acc: Accelerator, model, tokenizer, out: Path) -> None:
-    """save_pretrained of the unwrapped model and the tokenizer, once, after every rank has finished."""
+    """save_pretrained of the unwrapped model and the tokenizer, once, after every rank has finished; written into
+    `out.tmp` and renamed, so `out` is whole or absent."""
+    acc.wait_for_everyone()
+    tmp = staging_dir(out) if acc.is_main_process else out.with_name(out.name + ".tmp")
     acc.wait_for_everyone()
     state = acc.get_state_dict(model)  # under FSDP: the whole weights, gathered to the main process (all ranks join)
-    acc.unwrap_model(model).save_pretrained(out, is_main_process=acc.is_main_process, save_function=acc.save,
+    acc.unwrap_model(model).save_pretrained(tmp, is_main_process=acc.is_main_process, save_function=acc.save,
                                             state_dict=state)
+    acc.wait_for_everyone()
     if acc.is_main_process:
-        tokenizer.save_pretrained(out)
+        tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, out)
+
+
+def stop_unless_finite(acc: Accelerator, losses: list, grad_norm, step: int, out: Path) -> None:
+    """Stop the run, on every rank together, when a loss since the last log line or the gradient norm is NaN or
+    infinite: the weights are not updated, and the last checkpoint stays the newest."""
+    values = torch.stack([x.float() for x in losses] + [torch.as_tensor(grad_norm, dtype=torch.float)
+                                                        .to(losses[0].device)])
+    bad = acc.reduce((~torch.isfinite(values)).any().float(), reduction="sum")  # every rank gets the same answer
+    if bad.item() > 0:
+        raise SystemExit(f"sft: the loss or gradient norm is not finite at step {step}; stopped before updating "
+                         f"the weights. The last good checkpoint: {latest_checkpoint(out) or 'none yet'}")
 
 
 # ----------------------------------------------------------------------------------- main
@@ -253,12 +279,14 @@ def train(cfg: SFTConfig) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     chat, conversations = check_inputs(cfg)
     out = Path(cfg.out_dir)
-    checkpoint = resume_point(cfg, out)
+    identity = run_identity(cfg, [cfg.data])
+    checkpoint = resume_point(cfg, out, identity, RESUME_FREE)
     acc, grad_accum = make_accelerator(cfg)
     acc.print(format_config(cfg))
     set_seed(cfg.seed)
     metrics_path = out / "metrics.jsonl"
     if acc.is_main_process:
+        begin_run(out, checkpoint)
         save_config(cfg, out / "config.yaml")
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -297,11 +325,7 @@ def train(cfg: SFTConfig) -> Path:
         step, start_epoch, skip = state["step"], state["epoch"], state["batches_in_epoch"]
         if skip >= len(loader):  # the checkpoint closed its epoch
             start_epoch, skip = start_epoch + 1, 0
-        if acc.is_main_process:
-            truncate_log(metrics_path, step)
         acc.print(f"sft: resumed from {checkpoint} at step {step} (epoch {start_epoch}, {skip} micro-batches in)")
-    elif acc.is_main_process:
-        metrics_path.write_text("")
 
     losses, tokens, t0 = [], 0, time.perf_counter()
     bar = tqdm(total=total_steps, initial=step, desc="sft", disable=not acc.is_local_main_process, file=sys.stdout)
@@ -321,12 +345,13 @@ def train(cfg: SFTConfig) -> Path:
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 loss = masked_lm_loss(logits, batch["labels"])
                 acc.backward(loss)
+                losses.append(loss.detach())
                 if acc.sync_gradients:
-                    acc.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                    grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                    stop_unless_finite(acc, losses, grad_norm, step + 1, out)  # before the step changes the weights
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            losses.append(loss.detach())
             tokens += int(batch["attention_mask"].sum())
             read += 1
             if not acc.sync_gradients:
@@ -343,8 +368,8 @@ def train(cfg: SFTConfig) -> Path:
                 log_step(acc, metrics_path, row, bar)
                 losses, tokens, t0 = [], 0, time.perf_counter()
             if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
-                save_checkpoint(acc, out, step, {"epoch": epoch, "batches_in_epoch": read,
-                                                 "total_steps": total_steps}, keep_last=cfg.keep_checkpoints)
+                save_checkpoint(acc, out, step, {"epoch": epoch, "batches_in_epoch": read, "total_steps": total_steps,
+                                                 "identity": identity}, keep_last=cfg.keep_checkpoints)
             if step >= total_steps:
                 break
     bar.close()

@@ -11,18 +11,27 @@
                      the stage-2 policy did not solve k of k times, fresh optimizer) -- report section 6, scaled down
   5. eval.py         after SFT and after every stage, on the held-out split; stage 3's data comes from eval.py too
   6. report.py       the problems that changed from SFT to stage 3, side by side (compare_sft_stage3.html)
-Each step is skipped when its output already exists, so an interrupted pipeline continues where it stopped
-(train.py itself resumes from its last checkpoint). `--fresh` deletes the run folder first.
+Each step writes into its own folder and, when its command succeeds, a marker `step.json` there recording the command,
+the YAML configs it reads and the markers of the steps it depends on. A step is done only when its marker matches all
+three; otherwise it runs again: in place when it was merely interrupted (train.py and sft.py resume from their last
+checkpoint, eval.py keeps its finished benchmarks), and from scratch when anything differs (`--quick` then a full
+run, an edited config, a redone upstream step), its old folder kept as NAME.previous. `--fresh` deletes the run
+folder first.
 """
 import argparse
+import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from code_tool import BACKENDS, announce, choose_sandbox
+from report import write_compare
 
 STAGES = ["sft", "stage1", "stage2", "stage3"]
 # --quick: overrides that make every entry point take a few steps (CI); the plumbing is the same.
@@ -35,54 +44,88 @@ QUICK = {
 }
 
 
-def run(cmd: list[str]) -> None:
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _configs(cmd: list[str]) -> dict:
+    """sha256 of each YAML config in `cmd` and of the files it builds on (`base:`)."""
+    digests, todo = {}, [Path(a) for a in cmd if a.endswith(".yaml")]
+    while todo:
+        path = todo.pop()
+        digests[str(path)] = _sha256(path)
+        base = (yaml.safe_load(path.read_text()) or {}).get("base", [])
+        todo += [path.parent / b for b in ([base] if isinstance(base, str) else base)]
+    return digests
+
+
+def step(out: Path, cmd: list[str], after: list[Path] = ()) -> Path:
+    """Run `python cmd...`, whose outputs go to the folder `out`, unless `out/step.json` says it finished with the
+    same command, configs and upstream markers (`after`). Returns that marker, for the steps that depend on it."""
+    marker = out / "step.json"
+    record = {"command": cmd, "configs": _configs(cmd), "after": {str(m): _sha256(m) for m in after}}
+    saved = json.loads(marker.read_text()) if marker.is_file() else None
+    if saved and saved["record"] == record and saved["finished"]:
+        print(f"done: {out} (step.json)")
+        return marker
+    if out.exists() and (saved is None or saved["record"] != record):  # made by another command: set it aside
+        shutil.rmtree(out.with_name(out.name + ".previous"), ignore_errors=True)
+        os.replace(out, out.with_name(out.name + ".previous"))
+    out.mkdir(parents=True, exist_ok=True)
+    _write(marker, {"record": record, "finished": None})
     print("\n$ " + " ".join(cmd), flush=True)
     subprocess.run([sys.executable] + cmd, check=True)
+    _write(marker, {"record": record, "finished": time.time()})  # the time: a redone step has a new marker hash
+    return marker
 
 
-def evaluate(root: Path, name: str, quick: bool, backend: str = "auto") -> dict:
-    """eval.py on the held-out split for one stage's model; returns its metrics for the test benchmark."""
+def _write(path: Path, obj) -> None:
+    """Write JSON whole or not at all (a kill leaves the old file)."""
+    path.with_suffix(".tmp").write_text(json.dumps(obj, indent=1))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def evaluate(root: Path, name: str, model: Path, quick: bool, backend: str = "auto") -> dict:
+    """eval.py on the held-out split for one stage's model (`model`: that step's marker); returns its metrics."""
     out = root / f"eval_{name}"
-    if not (out / "results.json").is_file():
-        run(["eval.py", "configs/tiny/eval.yaml", f"model_path={root / name / 'model'}", f"out_dir={out}",
-             f"benchmarks=[{root / 'data' / 'test.jsonl'}]", f"tool_backend={backend}"]
-            + (QUICK["eval"] if quick else []))
+    step(out, ["eval.py", "configs/tiny/eval.yaml", f"model_path={root / name / 'model'}", f"out_dir={out}",
+               f"benchmarks=[{root / 'data' / 'test.jsonl'}]", f"tool_backend={backend}"]
+         + (QUICK["eval"] if quick else []),
+         after=[model, root / "data" / "step.json"])
     results = json.loads((out / "results.json").read_text())["benchmarks"]
     return next(iter(results.values()))
 
 
 def pipeline(root: Path, quick: bool, backend: str = "auto") -> dict:
     data = root / "data"
-    if not (root / "base" / "config.json").is_file():
-        run(["tiny_model.py", str(root / "base")])
-    if not (data / "sft.jsonl").is_file():
-        run(["tiny_task.py", str(data), "--tool-backend", backend] + (QUICK["task"] if quick else []))
-    if not (root / "sft" / "model" / "config.json").is_file():
-        run(["sft.py", "configs/tiny/sft.yaml", f"model_path={root / 'base'}", f"data={data / 'sft.jsonl'}",
-             f"out_dir={root / 'sft'}"] + (QUICK["sft"] if quick else []))
-    results = {"sft": evaluate(root, "sft", quick, backend)}
+    base = step(root / "base", ["tiny_model.py", str(root / "base")])
+    task = step(data, ["tiny_task.py", str(data), "--tool-backend", backend] + (QUICK["task"] if quick else []))
+    done = {"sft": step(root / "sft", ["sft.py", "configs/tiny/sft.yaml", f"model_path={root / 'base'}",
+                                       f"data={data / 'sft.jsonl'}", f"out_dir={root / 'sft'}"]
+                        + (QUICK["sft"] if quick else []), after=[base, task])}
+    results = {"sft": evaluate(root, "sft", done["sft"], quick, backend)}
     stage_data = {1: [data / "train_level1.jsonl"], 2: [data / "train_level1.jsonl", data / "train_level2.jsonl"],
                   3: [data / "stage3.jsonl"]}
     previous = "sft"
     for stage in (1, 2, 3):
         name = f"stage{stage}"
-        if stage == 3 and not (data / "stage3.jsonl").is_file():
+        after = [done[previous], task]
+        if stage == 3:
             # Stage 3's data: problems the stage-2 policy did not solve k of k times (report: 8 of 8).
-            run(["eval.py", "configs/tiny/eval.yaml", f"model_path={root / 'stage2' / 'model'}",
-                 f"out_dir={root / 'unsolved_stage2'}", f"benchmarks=[{data / 'train_level2.jsonl'}]",
-                 "samples=4", "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}",
-                 f"tool_backend={backend}"]
-                + (["limit=6", "samples=2"] if quick else ["limit=200"]))
-        if not (root / name / "model" / "config.json").is_file():
-            # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report section 6).
-            extra = [f"optimizer_from={root / 'stage1'}"] if stage == 2 else []
-            # Held-out curves during stage 1 only; every stage's final model is evaluated below with eval.py.
-            evals = [f"eval_data={data / 'test.jsonl'}"] if stage == 1 else []
-            run(["train.py", f"configs/tiny/{name}.yaml", f"model_path={root / previous / 'model'}",
-                 "data=[" + ",".join(map(str, stage_data[stage])) + "]", f"out_dir={root / name}",
-                 f"tool_backend={backend}"]
-                + evals + extra + (QUICK["train"] if quick else []))
-        results[name] = evaluate(root, name, quick, backend)
+            after.append(step(root / "unsolved_stage2", [
+                "eval.py", "configs/tiny/eval.yaml", f"model_path={root / 'stage2' / 'model'}",
+                f"out_dir={root / 'unsolved_stage2'}", f"benchmarks=[{data / 'train_level2.jsonl'}]",
+                "samples=4", "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}", f"tool_backend={backend}"]
+                + (["limit=6", "samples=2"] if quick else ["limit=200"]), after=[done["stage2"], task]))
+        # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report section 6).
+        extra = [f"optimizer_from={root / 'stage1'}"] if stage == 2 else []
+        # Held-out curves during stage 1 only; every stage's final model is evaluated below with eval.py.
+        evals = [f"eval_data={data / 'test.jsonl'}"] if stage == 1 else []
+        cmd = ["train.py", f"configs/tiny/{name}.yaml", f"model_path={root / previous / 'model'}",
+               "data=[" + ",".join(map(str, stage_data[stage])) + "]", f"out_dir={root / name}",
+               f"tool_backend={backend}"]
+        done[name] = step(root / name, cmd + evals + extra + (QUICK["train"] if quick else []), after=after)
+        results[name] = evaluate(root, name, done[name], quick, backend)
         previous = name
     return results
 
@@ -141,14 +184,13 @@ def main(argv=None) -> None:
     start = time.time()
     results = pipeline(root, args.quick, args.tool_backend)
     summary = {**summarize(results, time.time() - start), "tool_sandbox": sandbox}
-    (root / "summary.json").write_text(json.dumps(summary, indent=1))
+    _write(root / "summary.json", summary)
     plot_stages(results, root / "summary.png")
-    run(["report.py", "compare", str(root / "eval_sft"), str(root / "eval_stage3"),
-         str(root / "compare_sft_stage3.html")])
+    compare = write_compare(root / "eval_sft", root / "eval_stage3", root / "compare_sft_stage3.html")
     print("\n" + table(results))
     print(f"\nsft -> stage3: {100 * summary['sft_accuracy']:.1f}% -> {100 * summary['stage3_accuracy']:.1f}% "
-          f"({summary['gain_points']:+.1f} points) in {summary['wall_seconds']:.0f} s; wrote {root / 'summary.json'} and "
-          f"{root / 'summary.png'}")
+          f"({summary['gain_points']:+.1f} points) in {summary['wall_seconds']:.0f} s; wrote {root / 'summary.json'}, "
+          f"{root / 'summary.png'} and {compare}")
 
 
 if __name__ == "__main__":

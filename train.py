@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from checkpoint import latest_checkpoint, load_checkpoint, resume_point, save_checkpoint, truncate_log
+from checkpoint import (begin_run, latest_checkpoint, load_checkpoint, replace_dir, resume_point, run_identity,
+                        save_checkpoint, staging_dir)
 from code_tool import CodeTool, SandboxError, announce, choose_sandbox
 from config import check_ranges, format_config, parse_cli, save_config
 from data import check_model_path, load_problems
@@ -71,6 +72,7 @@ class TrainConfig:
     steps: int = 300                      # report: 300 / 85 / 125 steps for stages 1 / 2 / 3
     seed: int = 0                         # the one seed; every random choice derives from it
     resume: str = "auto"                  # auto: continue from out_dir's latest checkpoint; never: refuse one; or a path
+    resume_allow_changes: list[str] = field(default_factory=list)  # config keys that may differ from the checkpoint's
     dry_run: bool = False                 # print the resolved plan and exit without loading a model
     world_size: int = 0                   # for dry_run only: plan for this many processes (0: the launcher's)
     gpus_per_node: int = 8                # for dry_run only: GPUs per node (the launch configs shard within one)
@@ -148,6 +150,14 @@ RANGES = {
     "log_every": ">= 1", "eval_every": ">= 0", "eval_samples": ">= 1", "eval_temperature": ">= 0",
     "eval_limit": ">= 0", "save_every": ">= 1", "keep_checkpoints": ">= 1", "torch_threads": ">= 0",
 }
+
+# Keys that may differ from the checkpoint's config on resume without `resume_allow_changes`: they change no number
+# the run computes (printing, trackers, checkpoint cadence, threads and tool workers, the vLLM memory share). Any other
+# change (steps, batch shapes, data, lr, seeds, budgets) is refused unless named in resume_allow_changes.
+RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "dry_run", "world_size", "gpus_per_node",
+               "gpu_memory_gb", "model_shape", "log_every", "report_to", "save_every", "keep_checkpoints",
+               "torch_threads", "tool_workers", "tool_backend", "tool_require_isolation",
+               "vllm_gpu_memory_utilization"}
 
 
 # ============================================================================ plain helpers (no rank logic here)
@@ -388,6 +398,9 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
             for k, v in metrics.items():
                 _add(sums, k, v * w, w)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        # A NaN or infinite loss stops the run before it reaches the weights; summed over ranks, so all stop together.
+        if all_sum(accelerator, [float(not (math.isfinite(loss_sum) and math.isfinite(float(grad_norm))))])[0]:
+            raise FloatingPointError(f"the loss ({loss_sum}) or gradient norm ({float(grad_norm)}) is not finite")
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -585,10 +598,13 @@ def setup(cfg: TrainConfig):
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     fmt = chat_format(cfg.system_prompt, cfg.user_instruction)
     check_inputs(cfg, tokenizer, fmt, problems + eval_problems)
-    start = resume_point(cfg, out)
+    identity = run_identity(cfg, cfg.data + ([cfg.eval_data] if cfg.eval_data else []))
+    start = resume_point(cfg, out, identity, RESUME_FREE)
     if cfg.optimizer_from:
         optimizer_file(cfg.optimizer_from)
+    acc.wait_for_everyone()  # every rank has read the folder before the main process changes it
     if acc.is_main_process:
+        begin_run(out, start)
         print(format_config(cfg))
         save_config(cfg, out / "config.yaml")
         (out / "sandbox.txt").write_text(announce(sandbox) + "\n")
@@ -615,16 +631,15 @@ def setup(cfg: TrainConfig):
     step = 0
     if start is not None:
         step = load_checkpoint(acc, start)["step"]
-        if acc.is_main_process:
-            truncate_log(out / "metrics.jsonl", step)
-            print(f"resumed from {start} at step {step}")
+        acc.print(f"resumed from {start} at step {step}")
     sampler = make_sampler(cfg, sampler_policy(cfg, acc, model), tokenizer)
     # The sampler starts from the trainer's weights (a resumed checkpoint's too), checked before any rollout.
     hand_off(acc, model, sampler)
     probe = tokenizer.encode(fmt.prompt(problems[0]["problem"]), add_special_tokens=False)[:HANDOFF_PROBE_TOKENS]
     run = Run(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
               tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems, probe=probe,
-              pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out)
+              pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out,
+              identity=identity)
     run.handoff = verify_handoff(run, "at the start")
     run.tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
                         max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
@@ -663,7 +678,11 @@ def main(argv=None) -> None:
     bar = tqdm(total=cfg.steps, initial=step, desc=f"stage {cfg.stage}", disable=not acc.is_main_process)
     try:
         while step < cfg.steps:
-            metrics = reduce_sums(acc, train_step(step, cfg, run))
+            try:
+                metrics = reduce_sums(acc, train_step(step, cfg, run))
+            except FloatingPointError as e:  # raised on every rank alike, before the weights change
+                raise SystemExit(f"train: step {step + 1}: {e}; stopped, the last good checkpoint: "
+                                 f"{latest_checkpoint(run.out) or 'none yet'}") from None
             step += 1
             if run.eval_problems and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
                 metrics.update(held_out_eval(cfg, run))
@@ -676,7 +695,7 @@ def main(argv=None) -> None:
                 acc.log(metrics, step=step)
             bar.update(1)
             if step % cfg.save_every == 0 or step == cfg.steps:
-                save_checkpoint(acc, run.out, step, {"stage": cfg.stage,
+                save_checkpoint(acc, run.out, step, {"stage": cfg.stage, "identity": run.identity,
                                                      "prompts_consumed": step * cfg.prompts_per_step},
                                 keep_last=cfg.keep_checkpoints)
     finally:
@@ -686,9 +705,11 @@ def main(argv=None) -> None:
             run.sampler.close()  # vLLM's process groups go before the launcher's (end_training)
     acc.wait_for_everyone()
     state = acc.get_state_dict(run.model)
-    if acc.is_main_process:
-        acc.unwrap_model(run.model).save_pretrained(run.out / "model", state_dict=state)
-        run.tokenizer.save_pretrained(run.out / "model")
+    if acc.is_main_process:  # written beside, then renamed: model/ is whole or absent
+        tmp = staging_dir(run.out / "model")
+        acc.unwrap_model(run.model).save_pretrained(tmp, state_dict=state)
+        run.tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, run.out / "model")
         plot_curves(log_path, run.out / "curves.png")
         print(f"saved {run.out / 'model'} and {run.out / 'curves.png'}")
     acc.end_training()

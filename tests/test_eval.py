@@ -255,3 +255,83 @@ def test_missing_model_is_an_input_error_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match="model_path .* is not a model folder"):
         ev.main(["configs/tiny/eval.yaml", f"model_path={tmp_path / 'nope'}", f"benchmarks=[{bench}]",
                  f"out_dir={tmp_path / 'out'}"])
+
+
+# ------------------------------------------------------------------------------------------ the output folder
+class Stop(BaseException):
+    """The process stops here, as at a kill (not an Exception: nothing on the way may catch it)."""
+
+
+class CrashOn(ScriptedSampler):
+    """The scripted sampler, but the process 'dies' at the first prompt of problem `problem`."""
+
+    def __init__(self, problem: str):
+        super().__init__()
+        self.problem, self.prompts = problem, []
+
+    def reply(self, prompt: str) -> str:
+        self.prompts.append(prompt)
+        if self.problem and f"Problem {self.problem}." in prompt:
+            raise Stop
+        return super().reply(prompt)
+
+
+def scripted_eval(tmp_path, monkeypatch, sampler, out="out", *overrides):
+    """run() on two benchmarks (first: problem A; second: B and C) with `sampler`, 3 samples each."""
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text(json.dumps(PROBLEMS[0]) + "\n")
+    second.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS[1:]))
+    monkeypatch.setattr(ev, "load_model", lambda cfg: (sampler, TOK))
+    monkeypatch.setattr(ev, "check_model_path", lambda path: None)
+    cfg = load_config(ev.EvalConfig, [ev.__file__.replace("eval.py", "configs/tiny/eval.yaml")],
+                      [f"benchmarks=[{first},{second}]", "samples=3", f"out_dir={tmp_path / out}", "tool_workers=1",
+                       "model_path=scripted", *overrides])
+    return ev.run(cfg)
+
+
+def folder_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_input_errors_leave_a_finished_evaluation_untouched(tmp_path, monkeypatch):
+    scripted_eval(tmp_path, monkeypatch, ScriptedSampler())
+    before = folder_bytes(tmp_path / "out")
+    cfg = ev.EvalConfig(model_path="scripted", benchmarks=[str(tmp_path / "firts.jsonl")],
+                        out_dir=str(tmp_path / "out"))
+    with pytest.raises(SystemExit, match="firts.jsonl: data file not found"):
+        ev.run(cfg)
+    assert folder_bytes(tmp_path / "out") == before
+
+
+def test_a_finished_evaluation_is_read_back_never_redone_or_overwritten_unasked(tmp_path, monkeypatch):
+    results = scripted_eval(tmp_path, monkeypatch, ScriptedSampler())
+    before = folder_bytes(tmp_path / "out")
+    assert scripted_eval(tmp_path, monkeypatch, CrashOn("A")) == results  # nothing rolled out again
+    assert folder_bytes(tmp_path / "out") == before
+    with pytest.raises(SystemExit, match=r"holds another evaluation \(samples: 3 -> 2\); .*overwrite=true"):
+        scripted_eval(tmp_path, monkeypatch, ScriptedSampler(), "out", "samples=2")
+    assert folder_bytes(tmp_path / "out") == before
+    again = scripted_eval(tmp_path, monkeypatch, ScriptedSampler(), "out", "samples=2", "overwrite=true")
+    assert again["first"]["samples"] == 2
+    lines = (tmp_path / "out" / "trajectories.jsonl").read_text().splitlines()
+    assert len(lines) == 3 * 2
+
+
+def test_an_interrupted_evaluation_continues_with_its_unfinished_benchmarks(tmp_path, monkeypatch):
+    straight = scripted_eval(tmp_path, monkeypatch, ScriptedSampler(), "straight")
+    with pytest.raises(Stop):
+        scripted_eval(tmp_path, monkeypatch, CrashOn("B"), "out", f"unsolved_out={tmp_path / 'unsolved.jsonl'}")
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())["benchmarks"]
+    assert list(saved) == ["first"]
+    with (tmp_path / "out" / "trajectories.jsonl").open("a") as f:
+        f.write('{"benchmark": "second", "problem_index": 0, "sample": 0, "rew')  # killed mid-append
+    resumed = CrashOn("")
+    results = scripted_eval(tmp_path, monkeypatch, resumed, "out", f"unsolved_out={tmp_path / 'unsolved.jsonl'}")
+    assert not any("Problem A." in p for p in resumed.prompts)  # the finished benchmark is not redone
+    assert results == straight
+    records = [json.loads(x) for x in (tmp_path / "out" / "trajectories.jsonl").read_text().splitlines()]
+    assert [(r["benchmark"], r["problem_index"], r["sample"]) for r in records] == \
+        [("first", 0, s) for s in range(3)] + [("second", i, s) for i in range(2) for s in range(3)]
+    assert records == [json.loads(x) for x in (tmp_path / "straight" / "trajectories.jsonl").read_text().splitlines()]
+    # The stage-3 data covers both benchmarks, the one finished before the interruption included.
+    assert [json.loads(x) for x in (tmp_path / "unsolved.jsonl").read_text().splitlines()] == PROBLEMS[1:]

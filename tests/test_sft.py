@@ -243,7 +243,7 @@ def test_a_folder_that_holds_a_run_is_never_silently_started_over(tiny, tmp_path
     assert subprocess.run(args, cwd=ROOT, capture_output=True, timeout=120).returncode == 0
     log = (out / "metrics.jsonl").read_text()
     again = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)  # no checkpoint to resume
-    assert again.returncode != 0 and "has metrics.jsonl but no checkpoint to continue from" in again.stderr
+    assert again.returncode != 0 and "holds a finished run (model/) and no checkpoint" in again.stderr
     never = subprocess.run(args + ["resume=never"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert never.returncode != 0 and "already holds a run" in never.stderr
     assert (out / "metrics.jsonl").read_text() == log  # the first run's log is untouched
@@ -272,3 +272,56 @@ def test_two_ranks_match_one_rank_with_gradient_accumulation(tiny, tmp_path):
         assert a["sft/loss"] == pytest.approx(b["sft/loss"], abs=1e-5)
     a, b = (AutoModelForCausalLM.from_pretrained(p / "model").state_dict() for p in (one, two))
     assert all((a[n] - b[n]).abs().max() <= 2e-6 for n in a)
+
+
+# ----------------------------------------------------------------------------------- runs never lose data
+class Stop(BaseException):
+    """The process stops here, as at a kill (not an Exception: nothing on the way may catch it)."""
+
+
+def _cfg(tiny, out, **kw):
+    root, base, data = tiny
+    return SFTConfig(**{"model_path": str(base), "data": str(data), "out_dir": str(out), "epochs": 2, "lr": 3e-3,
+                        "batch_size": 8, "micro_batch_size": 8, "log_every": 1, "system_prompt": "compact",
+                        "user_instruction": "", **kw})
+
+
+def test_a_nan_loss_stops_before_the_weights_change_and_keeps_the_last_checkpoint(tiny, tmp_path, monkeypatch,
+                                                                                  one_torch_thread):
+    import sft
+    real, calls = sft.masked_lm_loss, []
+
+    def nan_from_step_3(logits, labels):  # one micro-batch per optimizer step here
+        calls.append(1)
+        return real(logits, labels) * (float("nan") if len(calls) >= 3 else 1.0)
+    monkeypatch.setattr(sft, "masked_lm_loss", nan_from_step_3)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match="not finite at step 3; stopped before updating the weights. The last good "
+                                         "checkpoint: .*checkpoint-2"):
+        train(_cfg(tiny, out, save_every=1))
+    assert [r["step"] for r in _sft_rows(out)] == [1, 2] and not (out / "model").exists()
+    assert (out / "latest").read_text().strip() == "checkpoint-2"
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_over_with_its_log_kept(tiny, tmp_path, one_torch_thread):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "sft/loss": 9.0}\n')  # killed before step 250's checkpoint
+    (out / "config.yaml").write_text("lr: 1.0\n")
+    train(_cfg(tiny, out, max_steps=2))
+    assert [r["step"] for r in _sft_rows(out)] == [1, 2] and (out / "model" / "config.json").is_file()
+    assert (out / "stopped-1" / "metrics.jsonl").read_text() == '{"step": 1, "sft/loss": 9.0}\n'
+    assert (out / "stopped-1" / "config.yaml").read_text() == "lr: 1.0\n"
+
+
+def test_the_saved_model_folder_is_whole_or_absent(tiny, tmp_path, monkeypatch, one_torch_thread):
+    from transformers import PreTrainedModel
+
+    def dies_halfway(self, folder, **kw):  # what a kill inside save_pretrained leaves: config.json, no weights
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(folder)
+        raise Stop
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", dies_halfway)
+    with pytest.raises(Stop):
+        train(_cfg(tiny, tmp_path / "run", max_steps=1))
+    assert not (tmp_path / "run" / "model").exists()

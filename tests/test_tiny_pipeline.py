@@ -1,4 +1,5 @@
-"""CI's short version of `make tiny`: every entry point for a few steps, on the real tiny model and task.
+"""CI's short version of `make tiny`: every entry point for a few steps, on the real tiny model and task; and the
+pipeline's rule for what is done: a step's marker, never the mere presence of its outputs.
 
 The learning claim itself (RL gains over SFT) needs the full run (README: Results); policy change under the RL update
 is asserted by tests/test_train.py on scripted rollouts, since a few-step SFT model rarely answers correctly."""
@@ -8,26 +9,99 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import tiny_pipeline
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_quick_pipeline_runs_every_stage_and_writes_the_summary(tmp_path):
+def test_quick_pipeline_runs_every_stage_and_a_changed_rerun_ends_with_its_own_numbers(tmp_path, monkeypatch):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "tiny_pipeline.py", "--quick", "--root", str(tmp_path / "tiny")],
+    root = tmp_path / "tiny"
+    done = subprocess.run([sys.executable, "tiny_pipeline.py", "--quick", "--root", str(root)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    summary = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    summary = json.loads((root / "summary.json").read_text())
     for stage in ("sft", "stage1", "stage2", "stage3"):
         assert 0.0 <= summary[f"{stage}_accuracy"] <= 1.0
         assert stage in summary["tool_error_rate_in_correct"] and summary["mean_response_tokens"][stage] > 0
-    assert summary["wall_seconds"] > 0 and (tmp_path / "tiny" / "summary.png").stat().st_size > 1000
+    assert summary["wall_seconds"] > 0 and (root / "summary.png").stat().st_size > 1000
     for stage in ("stage1", "stage2", "stage3"):
-        rows = [json.loads(x) for x in (tmp_path / "tiny" / stage / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(x) for x in (root / stage / "metrics.jsonl").read_text().splitlines()]
         assert len(rows) == 2 and all(0.0 <= r["rollout/reward_mean"] <= 1.0 for r in rows)  # reward computed
-        assert (tmp_path / "tiny" / stage / "model" / "config.json").is_file()
-    sft_rows = (tmp_path / "tiny" / "sft" / "metrics.jsonl").read_text().splitlines()
+        assert (root / stage / "model" / "config.json").is_file()
+    sft_rows = (root / "sft" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(sft_rows[-1])["sft/loss"] < json.loads(sft_rows[0])["sft/loss"]  # SFT learned something
     assert "sft -> stage3" in done.stdout
     assert (tmp_path / "tiny" / "eval_stage3" / "report.html").is_file()  # eval.py writes each report
     assert "eval_sft vs eval_stage3" in (tmp_path / "tiny" / "compare_sft_stage3.html").read_text()
     assert summary["tool_sandbox"].startswith("code tool sandbox: ") and summary["tool_sandbox"] in done.stderr
+
+    # The same folder with other settings (as a full run after --quick): every step they change is done again,
+    # and every evaluation with it; the steps they do not change are kept.
+    untouched = [root / "base" / "model.safetensors", root / "data" / "sft.jsonl"]
+    kept = [p.stat().st_mtime_ns for p in untouched]
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setitem(tiny_pipeline.QUICK, "sft", ["max_steps=5", "log_every=1"])
+    monkeypatch.setitem(tiny_pipeline.QUICK, "train", [a.replace("steps=2", "steps=3")
+                                                       for a in tiny_pipeline.QUICK["train"]])
+    tiny_pipeline.main(["--quick", "--root", str(root)])
+    assert [p.stat().st_mtime_ns for p in untouched] == kept  # the model and data steps are not redone
+    assert len((root / "sft" / "metrics.jsonl").read_text().splitlines()) == 5
+    assert len((root / "sft.previous" / "metrics.jsonl").read_text().splitlines()) == 4  # kept aside
+    summary = json.loads((root / "summary.json").read_text())
+    for stage in ("sft", "stage1", "stage2", "stage3"):
+        if stage != "sft":
+            assert len((root / stage / "metrics.jsonl").read_text().splitlines()) == 3
+        results = json.loads((root / f"eval_{stage}" / "results.json").read_text())
+        model = root / stage / "model"
+        stats = {str(p.relative_to(model)): [p.stat().st_size, p.stat().st_mtime_ns]
+                 for p in sorted(model.rglob("*")) if p.is_file()}
+        assert results["identity"]["model_files"] == stats  # the evaluation is of this model, not the old one
+        assert summary[f"{stage}_accuracy"] == next(iter(results["benchmarks"].values()))["pass@1"]
+
+
+SCRIPT = """
+import pathlib, sys
+out, runs, value = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
+with runs.open("a") as f:
+    f.write(out.name + "\\n")
+out.mkdir(exist_ok=True)
+(out / "config.json").write_text(value)  # written first, as save_pretrained does
+if (runs.parent / "fail").exists():
+    sys.exit(1)
+(out / "weights").write_text(value)
+"""
+
+
+def test_a_step_is_done_only_when_it_finished_with_the_same_command_configs_and_inputs(tmp_path):
+    runs, a, b = tmp_path / "runs.txt", tmp_path / "a", tmp_path / "b"
+    (tmp_path / "base.yaml").write_text("lr: 1.0\n")
+    (tmp_path / "b.yaml").write_text("base: base.yaml\nsteps: 2\n")
+
+    def step_a(value):
+        return tiny_pipeline.step(a, ["-c", SCRIPT, str(a), str(runs), value])
+
+    def step_b(after):
+        return tiny_pipeline.step(b, ["-c", SCRIPT, str(b), str(runs), "b", str(tmp_path / "b.yaml")], after=[after])
+
+    def ran():
+        return runs.read_text().split()
+    (tmp_path / "fail").touch()
+    with pytest.raises(subprocess.CalledProcessError):
+        step_a("1")  # stopped after config.json: outputs exist, but the step did not finish
+    (tmp_path / "fail").unlink()
+    marker = step_a("1")
+    assert ran() == ["a", "a"] and (a / "weights").read_text() == "1"
+    assert step_a("1") == marker and step_b(marker) and ran() == ["a", "a", "b"]
+    step_b(step_a("1"))
+    assert ran() == ["a", "a", "b"]  # nothing changed: nothing runs
+    marker = step_a("2")  # another command: redone, the old folder kept aside ...
+    assert (a / "weights").read_text() == "2" and (tmp_path / "a.previous" / "weights").read_text() == "1"
+    step_b(marker)  # ... and what depends on it is redone too
+    assert ran() == ["a", "a", "b", "a", "b"]
+    (tmp_path / "base.yaml").write_text("lr: 2.0\n")  # an edited config, even one the command names only via base:
+    step_b(marker)
+    assert ran() == ["a", "a", "b", "a", "b", "b"]

@@ -1,6 +1,7 @@
 """train.py: the step's plumbing (data order, masks, exact normaliser), the entry point end to end with a scripted
 policy on the real tiny model, input errors, the dry-run plan, and the run-folder rules."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,7 +138,9 @@ def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkey
     train.main(args(tiny, out, "steps=1"))
     with pytest.raises(SystemExit, match="already holds a run"):
         train.main(args(tiny, out, "steps=2", "resume=never"))
-    train.main(args(tiny, out, "steps=2"))  # resume=auto continues at step 1
+    with pytest.raises(SystemExit, match=r"another config: steps: 1 -> 2\. .*resume_allow_changes=\[steps\]"):
+        train.main(args(tiny, out, "steps=2"))  # more steps than the run was started with: said, not silent
+    train.main(args(tiny, out, "steps=2", "resume_allow_changes=[steps]"))  # resume=auto continues at step 1
     assert "resumed from" in capsys.readouterr().out
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     (out / "latest").unlink()
@@ -177,3 +180,98 @@ def test_dry_run_prints_the_plan_for_64_gpus_without_a_model(capsys):
     assert "8192 response tokens, 10 turns" in out and "300 (stage 1)" in out
     with pytest.raises(SystemExit, match="must divide over 48 processes"):
         train.main(["configs/qwen3-14b/stage1.yaml", "dry_run=true", "world_size=48"])
+
+
+# ------------------------------------------------------------------------------------------ runs never lose data
+class Stop(BaseException):
+    """The process stops here, as at a kill (not an Exception: nothing on the way may catch it)."""
+
+
+def scripted(monkeypatch):
+    monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: ScriptedSampler(model, tok))
+
+
+def log_steps(out):
+    return [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_from_another_runs_checkpoint_never_rewrites_this_folders_history(tiny, tmp_path, monkeypatch):
+    scripted(monkeypatch)
+    a, b = tmp_path / "a", tmp_path / "b"
+    train.main(args(tiny, a))
+    train.main(args(tiny, b))
+    log = (b / "metrics.jsonl").read_text()
+    with pytest.raises(SystemExit, match=f"resume={a / 'checkpoint-1'} continues the run in {a}, but out_dir={b} "
+                                         "holds another run, whose metrics.jsonl would be cut back to step 1"):
+        train.main(args(tiny, b, f"resume={a / 'checkpoint-1'}"))
+    assert (b / "metrics.jsonl").read_text() == log
+    # Into an empty folder it is a new run that starts at a's step 1.
+    train.main(args(tiny, tmp_path / "c", f"resume={a / 'checkpoint-1'}"))
+    assert log_steps(tmp_path / "c") == [2] and log_steps(a) == [1, 2]
+
+
+def test_changed_config_or_data_on_resume_is_refused_unless_allowed(tiny, tmp_path, monkeypatch):
+    scripted(monkeypatch)
+    out, data = tmp_path / "run", tmp_path / "say.jsonl"
+    write_jsonl(data, say_problems(8))
+    train.main(args(tiny, out, "steps=1", f"data=[{data}]"))
+    with pytest.raises(SystemExit, match=r"prompts_per_step: 2 -> 4; lr: 0\.01 -> 0\.02\. .*"
+                                         r"resume_allow_changes=\[prompts_per_step,lr\]"):
+        train.main(args(tiny, out, "steps=1", f"data=[{data}]", "lr=2e-2", "prompts_per_step=4"))
+    write_jsonl(data, say_problems(8, start=2))  # same path, other problems
+    with pytest.raises(SystemExit, match=rf"data: the content of {data} changed"):
+        train.main(args(tiny, out, "steps=1", f"data=[{data}]"))
+    # Free keys (logging, checkpoint cadence) change without a word; named keys change when allowed.
+    train.main(args(tiny, out, "steps=2", f"data=[{data}]", "log_every=5", "keep_checkpoints=3",
+                    "resume_allow_changes=[steps,data]"))
+    assert log_steps(out) == [1, 2]
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_over_with_its_log_kept(tiny, tmp_path, monkeypatch):
+    scripted(monkeypatch)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("steps: 9\n")
+    (out / "metrics.jsonl").write_text('{"step": 1, "stage": 1}\n{"step": 2, "st')  # killed before a save
+    train.main(args(tiny, out))
+    assert log_steps(out) == [1, 2] and (out / "model" / "config.json").is_file()
+    assert (out / "stopped-1" / "metrics.jsonl").read_text() == '{"step": 1, "stage": 1}\n{"step": 2, "st'
+    assert (out / "stopped-1" / "config.yaml").read_text() == "steps: 9\n"
+
+
+def test_the_final_model_folder_is_whole_or_absent(tiny, tmp_path, monkeypatch):
+    from transformers import PreTrainedModel
+    scripted(monkeypatch)
+    out = tmp_path / "run"
+    real = PreTrainedModel.save_pretrained
+
+    def dies_halfway(self, folder, **kw):  # what a kill inside save_pretrained leaves: config.json, no weights
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(folder)
+        raise Stop
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", dies_halfway)
+    with pytest.raises(Stop):
+        train.main(args(tiny, out))
+    assert not (out / "model").exists()
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", real)
+    train.main(args(tiny, out))  # resumes at the last step and writes the model
+    assert AutoModelForCausalLM.from_pretrained(out / "model") is not None
+    assert not (out / "model.tmp").exists()
+
+
+def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny, tmp_path, monkeypatch):
+    scripted(monkeypatch)
+    calls = []
+    real = train.LOSSES["token"]
+
+    def nan_from_step_2(logp, *a, **kw):
+        calls.append(1)
+        loss, metrics = real(logp, *a, **kw)
+        return (loss * float("nan") if len(calls) > 1 else loss), metrics  # step 1 has one micro-batch here
+    monkeypatch.setitem(train.LOSSES, "token", nan_from_step_2)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match="step 2: the loss .* is not finite; stopped, the last good checkpoint: "
+                                         ".*checkpoint-1"):
+        train.main(args(tiny, out, "steps=3", "micro_batch_size=8"))
+    assert log_steps(out) == [1] and (out / "latest").read_text().strip() == "checkpoint-1"
+    assert not (out / "model").exists() and not (out / "checkpoint-2").exists()
