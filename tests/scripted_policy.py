@@ -30,7 +30,8 @@ def say_problems(n: int, start: int = 1) -> list[dict]:
 class ScriptedSampler(TurnSampler):
     def __init__(self, model, tokenizer, use_rng: bool = False, skip_updates: bool = False):
         self.model, self.tok, self.use_rng = copy.deepcopy(model), tokenizer, use_rng
-        self.skip_updates, self.dtype = skip_updates, next(model.parameters()).dtype
+        self.skip_updates = skip_updates
+        self.dtype = next(model.parameters()).dtype if model is not None else torch.float32  # None: eval only
         self.im_end = tokenizer.convert_tokens_to_ids(IM_END)
         self.updates = 0
 
