@@ -78,7 +78,7 @@ class EvalConfig:
     max_turns: int = 30                   # assistant turns (report: 30 at evaluation)
     system_prompt: str = "default"        # "default", a preset name ("compact") or the text itself
     user_instruction: str = DEFAULT_USER_INSTRUCTION
-    sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU)
+    sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU; CPU build too)
     batch_size: int = 64                  # rollouts per rollout() call; hf: also decoding slots (vllm: raise it)
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
     limit: int = 0                        # first N problems of each benchmark (0: all), for quick runs
@@ -93,6 +93,7 @@ class EvalConfig:
     vllm_tensor_parallel_size: int = 1
     vllm_gpu_memory_utilization: float = 0.9
     vllm_dtype: str = "bfloat16"
+    vllm_enforce_eager: bool = False      # no CUDA graphs / torch.compile (faster start; the CPU build's tests)
 
 
 # ============================================================================ metrics (pure)
@@ -282,6 +283,7 @@ def load_model(cfg: EvalConfig):
         return VLLMSampler(cfg.model_path, im_end_id=tokenizer.convert_tokens_to_ids(IM_END), seed=cfg.seed,
                            tensor_parallel_size=cfg.vllm_tensor_parallel_size, dtype=cfg.vllm_dtype,
                            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                           enforce_eager=cfg.vllm_enforce_eager,
                            enable_sleep_mode=False), tokenizer  # nothing trains here: no need to free the GPU
     model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype="auto")
     model.to("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,6 +1,6 @@
 """HFSampler: continuous batching on a transformers causal LM with our own decode loop (the tiny CPU pipeline, or
 one GPU for small runs). It implements the interface of sampler.py (`add` / `step` / `has_work` / `generate`,
-`update_weights`, `weights_checksum`); the rollout drives it through that interface (report sections 2 and 8).
+`update_weights`, `score`); the rollout drives it through that interface (report sections 2 and 8).
 
 Why not `model.generate`: a rollout calls the sampler once per turn, and `generate` would re-read the whole
 conversation each time, keep computing finished rows until the last row of its batch ends, wait for the longest
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from sampler import Completion, generate_all, model_checksum, stop_token_ids
+from sampler import Completion, generate_all, stop_token_ids
 
 
 class _KVBuffer(DynamicCache):
@@ -277,9 +277,9 @@ class HFSampler:
                 for _ in range(c.num_hidden_layers)]
         return _KVBuffer(keys, [torch.zeros_like(k) for k in keys], length)
 
-    def _forward(self, ids, pos, seen, cache) -> torch.Tensor:
+    def _forward(self, ids, pos, seen, cache, every_token: bool = False) -> torch.Tensor:
         """One forward of (rows, q) new tokens at columns [cache.length, cache.length + q), attending to columns
-        from cache.first; the logits of each row's last token."""
+        from cache.first; the logits of each row's last token (rows, V), or of every new token (rows, q, V)."""
         q, end = ids.shape[1], cache.length + ids.shape[1]
         columns = torch.arange(cache.first, end, device=ids.device)
         queries = cache.length + torch.arange(q, device=ids.device)
@@ -288,12 +288,17 @@ class HFSampler:
         mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill_(~allowed,
                                                                                       torch.finfo(dtype).min)
         kwargs = {self._cache_kw: cache, "use_cache": True}
-        if self._keep_kw:
+        if self._keep_kw and not every_token:
             kwargs[self._keep_kw] = 1
-        return self.model(input_ids=ids, position_ids=pos, attention_mask=mask[:, None], **kwargs).logits[:, -1]
+        logits = self.model(input_ids=ids, position_ids=pos, attention_mask=mask[:, None], **kwargs).logits
+        return logits if every_token else logits[:, -1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
 
     def update_weights(self, model) -> None:
-        """Colocated (the trainer's own model object): nothing to copy. Otherwise copy the state dict in. Either
+        """Colocated (the trainer's own model object): no weights to copy. Otherwise copy the state dict in. Either
         way the stored keys and values were computed with the old weights: they are dropped, and the slot buffers
         are freed for the update."""
         assert not self.has_work(), "update_weights between rollouts, not during one"
@@ -302,5 +307,29 @@ class HFSampler:
         if model is not self.model:
             self.model.load_state_dict(model.state_dict())
 
-    def weights_checksum(self) -> float:
-        return model_checksum(self.model)
+    def score(self, token_ids: list[int]) -> list[float]:
+        """log softmax(logits)[token] of tokens 1..T-1 at temperature 1, through the decode path of `step`: the
+        same masked forward, and the prefix store. The first half's keys and values come from the store when it
+        holds them (as a later turn's would), else they are computed and stored there: stored keys and values that
+        outlived a weight update show up as a gap in the second half's log-probs."""
+        assert len(token_ids) >= 2 and not self.has_work(), "score between rollouts"
+        T, half = len(token_ids), len(token_ids) // 2
+        ids = torch.tensor([token_ids], device=self.device)
+        kv = self._buffers(1, T, 0)
+        seen = torch.ones(1, T, dtype=torch.bool, device=self.device)
+        stored = self.prefixes.entries.pop(tuple(token_ids[:half]), None)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                head = self._forward(ids[:, :half], torch.arange(half, device=self.device)[None], seen, kv, True)
+                for layer, (k, v) in enumerate(stored or []):  # what a rollout would reuse
+                    kv.k[layer][0, :, :half], kv.v[layer][0, :, :half] = k, v
+                kv.length = half
+                tail = self._forward(ids[:, half:], torch.arange(half, T, device=self.device)[None], seen, kv,
+                                     True)
+        finally:
+            self.model.train(was_training)
+        self.prefixes.put(token_ids[:half], kv.row(0, torch.arange(half, device=self.device)))
+        logp = torch.log_softmax(torch.cat([head[0], tail[0]])[:-1].float(), -1)  # (T-1, V)
+        return logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()

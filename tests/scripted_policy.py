@@ -8,13 +8,18 @@ others, some through a real tool call) while the trainer computes log-probs and 
 Problems are "Say N." with answer N. Within one generate call, the k-th copy of a problem answers correctly when
 k is even, with a pattern of period 4, so a problem drawn twice in one step behaves the same whichever rank
 plays it (or, with use_rng, when the global torch RNG says so: that makes resume tests check RNG restoring).
+
+The sampler keeps its own copy of the model, as an engine does: `update_weights` copies the trainer's weights in
+(or skips them with skip_updates=True, a stale engine), and `score` answers from that copy, so train.py's hand-off
+check compares two models and can fail.
 """
+import copy
 import re
 
 import torch
 
 from protocol import IM_END, format_tool_call
-from sampler import Completion, TurnSampler, model_checksum
+from sampler import Completion, TurnSampler, sequence_logprobs
 
 
 def say_problems(n: int, start: int = 1) -> list[dict]:
@@ -22,8 +27,9 @@ def say_problems(n: int, start: int = 1) -> list[dict]:
 
 
 class ScriptedSampler(TurnSampler):
-    def __init__(self, model, tokenizer, use_rng: bool = False):
-        self.model, self.tok, self.use_rng = model, tokenizer, use_rng
+    def __init__(self, model, tokenizer, use_rng: bool = False, skip_updates: bool = False):
+        self.model, self.tok, self.use_rng = copy.deepcopy(model), tokenizer, use_rng
+        self.skip_updates, self.dtype = skip_updates, next(model.parameters()).dtype
         self.im_end = tokenizer.convert_tokens_to_ids(IM_END)
         self.updates = 0
 
@@ -49,8 +55,14 @@ class ScriptedSampler(TurnSampler):
         return out
 
     def update_weights(self, model) -> None:
-        self.model = model
+        if not self.skip_updates:
+            self.model.load_state_dict(model.state_dict())
         self.updates += 1
 
-    def weights_checksum(self) -> float:
-        return model_checksum(self.model)
+    def score(self, token_ids):
+        return sequence_logprobs(self.model, token_ids).tolist()
+
+
+def weights_sum(model) -> float:
+    """sum over parameters of sum(p), in float64: equal on two ranks that hold the same weights."""
+    return float(sum(p.detach().double().sum() for p in model.parameters()))

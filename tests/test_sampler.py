@@ -1,5 +1,6 @@
-"""sampler.py and hf_sampler.py: HFSampler on the tiny model (stops, log-probs, budgets, weights) and VLLMSampler against a fake
-engine shaped like vLLM's (vLLM itself is not installable here)."""
+"""sampler.py and hf_sampler.py: HFSampler on the tiny model (stops, log-probs, budgets, weights), the weight hand-off
+check, and VLLMSampler against a fake engine shaped like vLLM's for what vLLM's CPU build cannot show (sleep mode,
+refusals). The real engine: tests/test_vllm_engine.py."""
 import ast
 import sys
 import types
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_sampler import HFSampler
 from protocol import IM_END
-from sampler import VLLMSampler, model_checksum
+from sampler import HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs
 from tiny_model import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,21 +184,84 @@ def test_hf_sampler_greedy(tiny):
     assert a.token_ids[0] == int(first.argmax())
 
 
-def test_update_weights_and_checksum(tiny):
+def test_hf_sampler_score_is_a_fresh_forward_pass_and_update_weights_copies(tiny):
     path, tok, model = tiny
+    ids = prompts_of(tok, ["Compute 12*34 with Python, then answer."])[0]
     colocated = HFSampler(model, tok)
-    colocated.update_weights(model)  # same object: nothing to copy
-    assert colocated.weights_checksum() == model_checksum(model)
+    assert colocated.score(ids) == pytest.approx(sequence_logprobs(model, ids).tolist(), abs=1e-5)
     separate = HFSampler(AutoModelForCausalLM.from_pretrained(path), tok)
     trainer = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
-        trainer.model.norm.weight.add_(0.01)  # an "optimizer step"
-    assert separate.weights_checksum() != model_checksum(trainer)
+        trainer.model.norm.weight.add_(0.05)  # an "optimizer step"
+    assert check_handoff(separate.score(ids), sequence_logprobs(trainer, ids), 1e-3) is not None
     separate.update_weights(trainer)
-    assert separate.weights_checksum() == model_checksum(trainer)
+    assert check_handoff(separate.score(ids), sequence_logprobs(trainer, ids), 1e-3) is None
+
+
+def adamw_step(model, tok, lr: float) -> None:
+    """One AdamW step on a language-modelling loss: the size of a real update at that learning rate."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    ids = torch.tensor(prompts_of(tok, ["Say 7. <answer>\\boxed{7}</answer>"]))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("lr", [2e-4, 1e-6])
+def test_handoff_check_sees_one_optimizer_step(tiny, lr):
+    """A sampler that skipped one AdamW step is caught at the tiny stages' lr (2e-4: the gap alone exceeds the fp32
+    tolerance) and at the report's (1e-6: smaller than the tolerance, caught because the sampler's log-probs did not
+    move while the trainer's did); the same sampler after the update passes."""
+    path, tok, _ = tiny
+    ids = prompts_of(tok, ["Compute 12*34 with Python, then answer."])[0]
+    trainer = AutoModelForCausalLM.from_pretrained(path)
+    sampler = HFSampler(AutoModelForCausalLM.from_pretrained(path), tok)
+    tolerance = HANDOFF_TOLERANCE[sampler.dtype]
+    first = (torch.tensor(sampler.score(ids)), sequence_logprobs(trainer, ids))
+    assert check_handoff(*first, tolerance) is None
+    adamw_step(trainer, tok, lr)
+    after = sequence_logprobs(trainer, ids)
+    gap = (after - first[1]).abs().mean().item()
+    assert (gap > tolerance) == (lr == 2e-4)
+    stale = check_handoff(torch.tensor(sampler.score(ids)), after, tolerance, first)
+    assert stale is not None and ("differ" in stale if lr == 2e-4 else "old weights" in stale)
+    sampler.update_weights(trainer)
+    assert check_handoff(torch.tensor(sampler.score(ids)), after, tolerance, first) is None
+
+
+def test_colocated_hf_sampler_is_stale_through_its_stored_keys_and_values(tiny):
+    """Sharing the trainer's model object, the weights cannot be stale, but the prefix store can: keys and values
+    stored before an update and reused after it. score() reads the store as a rollout would; update_weights
+    clears it."""
+    path, tok, _ = tiny
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ids = prompts_of(tok, ["Compute 12*34 with Python, then answer."])[0]
+    sampler = HFSampler(model, tok)
+    sampler.score(ids)  # its first half's keys and values are stored now
+    adamw_step(model, tok, 2e-4)  # in place, on the shared object
+    stale = check_handoff(torch.tensor(sampler.score(ids)), sequence_logprobs(model, ids), 1e-3)
+    assert stale is not None and "differ" in stale
+    sampler.score(ids)
+    sampler.update_weights(model)
+    assert check_handoff(torch.tensor(sampler.score(ids)), sequence_logprobs(model, ids), 1e-3) is None
+
+
+def test_check_handoff_by_hand():
+    trainer = torch.tensor([-1.0, -2.0, -3.0])
+    assert check_handoff(trainer + 0.0009, trainer, 1e-3) is None
+    assert "by 0.002 per token" in check_handoff(trainer + torch.tensor([0.0, 0.0, 0.006]), trainer, 1e-3)
+    assert check_handoff(trainer * float("nan"), trainer, 1e-3) is not None
+    assert "scored 2 tokens, the trainer 3" in check_handoff(trainer[:2], trainer, 1e-3)
+    engine = trainer + 1e-4
+    moved = trainer + 1e-5
+    assert "did not change at all" in check_handoff(engine, moved, 1e-3, previous=(engine, trainer))
+    assert check_handoff(engine + 1e-5, moved, 1e-3, previous=(engine, trainer)) is None
+    assert check_handoff(engine, trainer, 1e-3, previous=(engine, trainer)) is None  # nothing moved: fine
 
 
 # ------------------------------------------------------------------------------------------------ VLLMSampler
+# A fake engine shaped like vLLM's, for what the CPU build cannot show: sleep mode (GPU-only), the engine
+# arguments, and the refusals. Everything else runs on the real engine in tests/test_vllm_engine.py.
 @dataclass
 class Logprob:
     logprob: float
@@ -255,7 +319,7 @@ class FakeLLM:
 
     def __init__(self, **kwargs):
         self.kwargs, self.log, self.model = kwargs, [], None
-        self.llm_engine = FakeEngine(self)
+        self.llm_engine = FakeEngine(self, kwargs.get("enable_sleep_mode", True))
         FakeLLM.instances.append(self)
 
     def get_tokenizer(self):
@@ -272,8 +336,10 @@ class FakeLLM:
     def wake_up(self, tags=None):
         self.log.append(("wake_up", tuple(tags)))
 
-    def apply_model(self, func):
-        return [func(self.model)]
+    def collective_rpc(self, method, kwargs=None):
+        assert method == "reload_weights" and kwargs["is_checkpoint_format"]
+        self.log.append(("reload_weights",))
+        return [self.model.load_weights(kwargs["weights_iterator"])]
 
     def reset_prefix_cache(self):
         self.log.append(("reset_prefix_cache",))
@@ -283,8 +349,9 @@ class FakeEngine:
     """Shaped like vllm's LLMEngine: add_request(request_id, prompt, params); step() -> RequestOutputs, here one
     more token per request per step, `finished` once its `scripted_output` is done."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, sleep_mode):
         self.llm, self.requests = llm, {}
+        self.model_config = types.SimpleNamespace(dtype=torch.bfloat16, enable_sleep_mode=sleep_mode)
 
     def add_request(self, request_id, prompt, params):
         self.llm.log.append(("add_request", request_id, prompt, params))
@@ -304,20 +371,27 @@ class FakeEngine:
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
+    """A `vllm` package with LLM, SamplingParams, the platform (a GPU with sleep mode) and the version."""
     module = types.ModuleType("vllm")
-    module.LLM, module.SamplingParams = FakeLLM, FakeSamplingParams
-    monkeypatch.setitem(sys.modules, "vllm", module)
+    module.LLM, module.SamplingParams, module.__version__ = FakeLLM, FakeSamplingParams, "0.33.0"
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: False, is_sleep_mode_available=lambda: True)
+    sampling = types.ModuleType("vllm.sampling_params")
+    sampling.RequestOutputKind = types.SimpleNamespace(FINAL_ONLY="final-only")
+    for name, mod in [("vllm", module), ("vllm.platforms", platforms), ("vllm.sampling_params", sampling)]:
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     FakeLLM.instances = []
     return module
 
 
-def test_vllm_sampler_builds_the_engine_and_requests(fake_vllm, monkeypatch):
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    sampler = VLLMSampler("some/model", tensor_parallel_size=2, gpu_memory_utilization=0.4, seed=5)
+def test_vllm_sampler_builds_the_engine_and_requests(fake_vllm):
+    sampler = VLLMSampler("some/model", gpu_memory_utilization=0.4, seed=5, enforce_eager=True)
     (llm,) = FakeLLM.instances
-    assert llm.kwargs["model"] == "some/model" and llm.kwargs["tensor_parallel_size"] == 2
+    assert llm.kwargs["model"] == "some/model" and llm.kwargs["enforce_eager"] is True
     assert llm.kwargs["enable_sleep_mode"] is True and llm.kwargs["logprobs_mode"] == "processed_logprobs"
     assert llm.kwargs["seed"] == 5 and llm.kwargs["gpu_memory_utilization"] == 0.4
+    assert "kv_cache_memory_bytes" not in llm.kwargs and llm.kwargs["tensor_parallel_size"] == 1  # a GPU
     import os
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     out = sampler.generate([[1, 2], [4, 5, 6]], [10, 2], temperature=0.6, top_p=0.9)
@@ -325,40 +399,75 @@ def test_vllm_sampler_builds_the_engine_and_requests(fake_vllm, monkeypatch):
     assert prompts == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [4, 5, 6]}]
     assert [p.max_tokens for p in params] == [10, 2] and all(p.stop_token_ids == [3] for p in params)
     assert all(p.logprobs == 0 and p.temperature == 0.6 and p.top_p == 0.9 and p.n == 1 for p in params)
+    assert all(p.output_kind == "final-only" for p in params)  # no cumulative outputs of running requests
     assert out[0].token_ids == [7, 8, 3] and out[0].stopped and out[0].logprobs == pytest.approx([-0.1, -0.2, -0.3])
     assert out[1].token_ids == [7, 8] and not out[1].stopped
     tokenizer = types.SimpleNamespace(convert_tokens_to_ids=lambda t: {IM_END: 99}[t])
     assert VLLMSampler("some/model", tokenizer).im_end_id == 99  # the trainer passes its tokenizer
 
 
-def test_vllm_sampler_sleeps_and_loads_new_weights(fake_vllm, tiny):
+@pytest.mark.parametrize("change, message", [
+    ({"env": "1"}, "VLLM_ENABLE_V1_MULTIPROCESSING is set to '1'"),
+    ({"version": "0.15.1"}, r"needs vllm>=0.16 \(in-place reload_weights with a weights iterator\), found 0.15.1"),
+])
+def test_vllm_sampler_refuses_what_it_cannot_do_in_one_line(fake_vllm, monkeypatch, change, message):
+    if "env" in change:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", change.pop("env"))
+    if "version" in change:
+        fake_vllm.__version__ = change.pop("version")
+    with pytest.raises((SystemExit, ValueError), match=message):
+        VLLMSampler("some/model", **change)
+    assert not FakeLLM.instances
+
+
+def test_vllm_sampler_refuses_weight_updates_with_tensor_parallelism(fake_vllm, tiny):
+    sampler = VLLMSampler("some/model", tensor_parallel_size=2)  # evaluation with a larger model: fine
+    assert FakeLLM.instances[0].kwargs["tensor_parallel_size"] == 2
+    with pytest.raises(ValueError, match="update_weights with tensor_parallel_size=2: not supported"):
+        sampler.update_weights(tiny[2])
+
+
+def test_vllm_sampler_sleeps_at_level_2_and_loads_every_weight_before_generating(fake_vllm, tiny):
     path, tok, model = tiny
     llm = FakeLLM()
     llm.model = FakeEngineModel(AutoModelForCausalLM.from_pretrained(path))
     sampler = VLLMSampler(llm=llm)
-    assert sampler.im_end_id == 3
+    assert sampler.im_end_id == 3 and sampler.dtype == torch.bfloat16
     trainer = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
         trainer.lm_head.weight.mul_(1.5)  # tied with the embeddings
     sampler.sleep()
+    with pytest.raises(RuntimeError, match="weights were dropped by sleep"):
+        sampler.generate([[1]], [4])  # level 2: nothing to generate with until the update
     sampler.update_weights(trainer)
-    assert sampler.weights_checksum() == model_checksum(trainer)
     assert torch.equal(llm.model.inner.model.embed_tokens.weight, trainer.model.embed_tokens.weight)
-    assert llm.log == [("sleep", 1), ("wake_up", ("weights",)), ("reset_prefix_cache",), ("wake_up", ("kv_cache",))]
+    assert llm.log == [("sleep", 2), ("wake_up", ("weights",)), ("reload_weights",), ("reset_prefix_cache",),
+                       ("wake_up", ("kv_cache",))]
+    sampler.generate([[1]], [4])
+    assert llm.log[-1][0] == "generate"
+
+
+def test_vllm_sampler_without_sleep_mode_never_sleeps(fake_vllm, tiny):
+    """vLLM's CPU build has no sleep mode: sleep() is a no-op (asking its engine to sleep pauses its scheduler,
+    and a later generate spins forever)."""
+    path, _, _ = tiny
+    llm = FakeLLM(enable_sleep_mode=False)
+    llm.model = FakeEngineModel(AutoModelForCausalLM.from_pretrained(path))
+    sampler = VLLMSampler(llm=llm)
     sampler.sleep()
-    sampler.generate([[1]], [4])  # generating wakes everything first
-    assert llm.log[-2] == ("wake_up", ("weights", "kv_cache")) and llm.log[-1][0] == "generate"
+    sampler.update_weights(AutoModelForCausalLM.from_pretrained(path))
+    assert llm.log == [("reload_weights",), ("reset_prefix_cache",)]
 
 
 def test_vllm_sampler_add_and_step_go_to_the_engine(fake_vllm):
     """Requests keep the caller's keys, finish out of order (the short one first), and only finished outputs come
-    back from `step`."""
+    back from `step`; sleeping with requests in flight is refused."""
     sampler = VLLMSampler(llm=FakeLLM(), im_end_id=3)
-    sampler.sleep()
     sampler.add("long", [1, 2, 3, 4], 10, temperature=0.5)
     sampler.add("short", [9], 10)
+    with pytest.raises(AssertionError, match="sleep between rollouts"):
+        sampler.sleep()
     llm = FakeLLM.instances[-1]
-    assert llm.log[1] == ("wake_up", ("weights", "kv_cache"))  # adding wakes the engine first
     (_, rid, prompt, params), = [e for e in llm.log if e[0] == "add_request" and e[1] == "0"]
     assert prompt == {"prompt_token_ids": [1, 2, 3, 4]} and params.max_tokens == 10 and params.temperature == 0.5
     finished = []
@@ -368,6 +477,7 @@ def test_vllm_sampler_add_and_step_go_to_the_engine(fake_vllm):
     assert dict(finished)["long"].token_ids == [7, 8, 9, 10, 3] and dict(finished)["long"].stopped
     assert dict(finished)["short"].logprobs == pytest.approx([-0.1, -0.2])
     sampler.sleep()
+    assert llm.log[-1] == ("sleep", 2)
 
 
 def test_sampler_module_does_not_import_vllm_at_load():
@@ -376,5 +486,3 @@ def test_sampler_module_does_not_import_vllm_at_load():
     top_level = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
     names = [a.name for node in top_level for a in node.names] + [getattr(n, "module", None) or "" for n in top_level]
     assert not any(name.split(".")[0] == "vllm" for name in names)
-    inner = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "vllm"]
-    assert len(inner) == 2  # LLM in __init__, SamplingParams in _params

@@ -10,7 +10,6 @@ import train
 from data import write_jsonl
 from protocol import chat_format
 from rollout import rollout
-from sampler import model_checksum
 from scripted_policy import ScriptedSampler, say_problems
 from tiny_model import build_tiny
 
@@ -109,12 +108,26 @@ def test_train_entry_point_learns_on_scripted_rollouts(tiny, tmp_path, monkeypat
         assert key in rows[0], key
     assert 0.0 < rows[0]["rollout/reward_mean"] < 1.0  # the reward was computed, mixed within groups
     assert rows[0]["roc/equal_group_frac"] == 0.0 and rows[0]["rollout/tool_calls_mean"] > 0
-    assert made[0].updates == 2  # the sampler got the weights after every update (and the checksum matched)
+    assert made[0].updates == 3  # the sampler got the weights at the start and after every update (checked)
     before = AutoModelForCausalLM.from_pretrained(tiny / "base")
     after = AutoModelForCausalLM.from_pretrained(out / "model")
-    assert model_checksum(after) != model_checksum(before)
+    assert any(not torch.equal(a, b) for a, b in zip(after.parameters(), before.parameters()))
+    for a, b in zip(made[0].model.parameters(), after.parameters()):  # the sampler's own copy holds the result
+        assert torch.equal(a, b)
     assert (out / "latest").read_text().strip() == "checkpoint-2"
     assert (out / "config.yaml").is_file() and (out / "curves.png").stat().st_size > 1000
+
+
+def test_a_sampler_left_with_old_weights_stops_the_run_after_the_first_step(tiny, tmp_path, monkeypatch):
+    """The scripted sampler keeps its own copy of the model; one that skips the updates is caught by the hand-off
+    check (log-probs of a fixed sequence) right after step 1's update, with one line; step 1 is neither logged nor
+    saved (its rollouts came from the right weights, its update never reached the sampler)."""
+    monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: ScriptedSampler(model, tok, skip_updates=True))
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"^hand-off error after step 1: the sampler's log-probs differ from the "
+                                         r"trainer's by [0-9.e-]+ per token \(tolerance 0.001\)$"):
+        train.main(args(tiny, out))
+    assert not (out / "metrics.jsonl").exists() and not (out / "latest").exists()
 
 
 def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkeypatch, capsys):
@@ -138,6 +151,7 @@ def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkey
     (["rollouts_per_prompt=3", "group_size=4"], "group_size <= rollouts_per_prompt"),
     (["roc_mode=best"], "roc_mode must be"),
     (["group_sise=4"], "unknown config key 'group_sise'"),
+    (["sampler=vllm", "vllm_tensor_parallel_size=2"], "vllm_tensor_parallel_size=2: only 1 is supported"),
 ])
 def test_bad_input_stops_before_any_work_with_a_clear_message(tiny, tmp_path, extra, message):
     with pytest.raises(SystemExit, match=message):
