@@ -201,8 +201,8 @@ class VLLMSampler:
     sampling draws from the trainer's seeded generators) and adds its allocator libraries to LD_PRELOAD (restored:
     it would reach the code tool's worker processes). It stays in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0 is
     set; another value is refused), and on the CPU build the KV cache gets CPU_KV_CACHE_BYTES unless
-    `kv_cache_memory_bytes` is given (there `gpu_memory_utilization` means a share of host RAM). Call `close()`
-    before the launcher's process group is destroyed.
+    `kv_cache_memory_bytes` is given (there `gpu_memory_utilization` means a share of host RAM). A single
+    process's engine initialises torch.distributed (a group of one) itself. `close()` says when to call it.
 
     tokenizer (or im_end_id): where the <|im_end|> id comes from (default: the engine's tokenizer).
     enable_sleep_mode: None = where the platform has it (CUDA, ROCm, XPU).
@@ -306,10 +306,11 @@ class VLLMSampler:
         self.wake_up(tags=["kv_cache"])
 
     def close(self) -> None:
-        """Shut the engine down and release vLLM's process groups (those of the launcher stay)."""
-        from vllm.distributed.parallel_state import destroy_model_parallel
+        """Shut the engine down: after the trainer's last collective, before Accelerate's `end_training` (which
+        would otherwise destroy the process group under vLLM's own shutdown at exit). vLLM 0.32's shutdown also
+        destroys torch.distributed's default process group (`cleanup_dist_env_and_memory`), the launcher's one
+        under torchrun; `end_training` then finds none and does nothing."""
         self.llm.llm_engine.engine_core.shutdown()
-        destroy_model_parallel()
 
 
 def build_engine(**kwargs):
