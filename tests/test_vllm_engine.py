@@ -92,16 +92,18 @@ def prompts(tok, n=4):
 
 # ---------------------------------------------------------------------------------------------- the engine as built
 def test_building_the_engine_leaves_the_process_as_it_was(tiny):
-    """vLLM's CPU worker replaces torch.set_num_threads by a no-op and reseeds the global RNGs; both come back."""
+    """vLLM's CPU worker replaces torch.set_num_threads by a no-op, reseeds the global RNGs and puts torch's
+    libgomp in LD_PRELOAD (which processes started later, the code tool's, would inherit); all three come back."""
     torch.set_num_threads(1)
     states = (random.getstate(), torch.get_rng_state())
+    preload = os.environ.get("LD_PRELOAD")
     sampler = VLLMSampler(str(tiny[0]), tiny[1], seed=123, **ENGINE)
     try:
         assert (random.getstate(), torch.get_rng_state().tolist()) == (states[0], states[1].tolist())
         torch.set_num_threads(2)
         assert torch.get_num_threads() == 2  # torch_threads still does what it says
         assert sampler.sleep_level == 0 and not sampler.llm.llm_engine.model_config.enable_sleep_mode  # CPU
-        assert "LD_PRELOAD" not in os.environ or "tcmalloc" not in os.environ["LD_PRELOAD"]
+        assert os.environ.get("LD_PRELOAD") == preload
     finally:
         torch.set_num_threads(1)
         sampler.close()
@@ -129,14 +131,19 @@ def test_stops_at_im_end_and_respects_each_budget(engine, tiny):
     assert out[1].token_ids == out[0].token_ids[:3]  # greedy: the same first tokens
 
 
-def test_add_and_step_return_each_request_once_with_its_key(engine, tiny):
+def test_add_and_step_return_each_request_once_with_its_key(engine, tiny, monkeypatch):
+    """Keys come back with their completions; the engine reports a request only when it is finished (no
+    cumulative outputs of the running ones at every step)."""
     ps = prompts(tiny[1], 3)
     for key, p, budget in zip(["a", ("b", 1), 7], ps, [30, 5, 12]):
         engine.add(key, p, budget, temperature=1.0)
+    reported, real_step = [], engine.llm.llm_engine.step
+    monkeypatch.setattr(engine.llm.llm_engine, "step", lambda: reported.append(real_step()) or reported[-1])
     finished, steps = [], 0
     while engine.has_work():
         finished += engine.step()
         steps += 1
+    assert sum(len(outs) for outs in reported) == 3 and all(o.finished for outs in reported for o in outs)
     assert sorted(map(str, (k for k, _ in finished))) == sorted(["a", "('b', 1)", "7"])
     lengths = {str(k): len(c.token_ids) for k, c in finished}
     assert lengths["('b', 1)"] == 5 and lengths["7"] == 12 and 1 <= lengths["a"] <= 30
