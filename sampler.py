@@ -201,13 +201,14 @@ class VLLMSampler:
     Tensor parallelism (tensor_parallel_size > 1) is for evaluation only: `update_weights` refuses it (in training
     every rank of a tensor-parallel group would have to submit the same requests, which the rollout does not do).
 
-    What building the engine changes in this process, and what is put back: vLLM replaces `torch.set_num_threads`
-    by a no-op and sets the torch thread count (both restored), reseeds the global RNGs (their states are restored:
-    sampling draws from the trainer's seeded generators) and puts torch's libgomp (and tcmalloc, where bundled) in
-    LD_PRELOAD (restored: it would reach every process started later, the code tool's workers too). It stays in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0 is
-    set; another value is refused), and on the CPU build the KV cache gets CPU_KV_CACHE_BYTES unless
-    `kv_cache_memory_bytes` is given (there `gpu_memory_utilization` means a share of host RAM). A single
-    process's engine initialises torch.distributed (a group of one) itself. `close()` says when to call it.
+    What building the engine changes in this process, and what is put back: vLLM replaces `torch.set_num_threads` by
+    a no-op and sets the torch thread count (both restored), reseeds the global RNGs with `seed` (their states are
+    restored; the engine's sampling still follows `seed`: two ranks differ by it alone) and puts torch's libgomp
+    (and tcmalloc, where bundled) in LD_PRELOAD (restored: it would reach every process started later, the code
+    tool's workers too). It stays in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0 is set; another value is refused),
+    and on the CPU build the KV cache gets CPU_KV_CACHE_BYTES unless `kv_cache_memory_bytes` is given (there
+    `gpu_memory_utilization` means a share of host RAM). A single process's engine initialises torch.distributed (a
+    group of one) itself. `close()` says when to call it.
 
     tokenizer (or im_end_id): where the <|im_end|> id comes from (default: the engine's tokenizer).
     enable_sleep_mode: None = where the platform has it (CUDA, ROCm, XPU).
