@@ -348,6 +348,8 @@ def train(cfg: SFTConfig) -> Path:
                 losses.append(loss.detach())
                 if acc.sync_gradients:
                     grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                    if hasattr(grad_norm, "full_tensor"):  # FSDP2 hands the norm back as a DTensor
+                        grad_norm = grad_norm.full_tensor()
                     stop_unless_finite(acc, losses, grad_norm, step + 1, out)  # before the step changes the weights
                 optimizer.step()
                 scheduler.step()
