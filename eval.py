@@ -31,7 +31,7 @@ Benchmarks: a JSONL path ({"problem", "answer", ...} per line; a bad line stops 
 BENCHMARKS (aime24, aime25, hmmt25, math500), which reads the copy shipped in data/ (no network; sources, licences
 and the checks made on them: data/SOURCES.md).
 
-`unsolved_out`: the problems solved fewer than k of k times, written with their input fields: report section 6's
+`unsolved_out`: the problems solved fewer than k of k times, written with their input fields: report §4's
 stage-3 data ("the problems the stage-2 policy did not solve 8 of 8 times"), e.g.
     python eval.py configs/tiny/eval.yaml model_path=runs/tiny/stage2/model \\
         benchmarks=[runs/tiny/data/train_level2.jsonl] samples=8 unsolved_out=runs/tiny/data/stage3.jsonl
@@ -94,7 +94,7 @@ class EvalConfig:
     seed: int = 0
     unsolved_out: str | None = None       # write problems solved < k of k times here (stage-3 data, report sec. 6)
     overwrite: bool = False               # replace an evaluation of another config or model found in out_dir
-    # --- code tool (report section 5; public code: 4 s, 1,000 chars)
+    # --- code tool (report §3; public code: 4 s, 1,000 chars)
     tool_workers: int = 4
     tool_timeout: float = 4.0
     tool_memory_mb: int = 512

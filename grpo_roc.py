@@ -1,7 +1,7 @@
 """GRPO-RoC: the data selection and the loss of rStar2-Agent, as pure functions.
 
-Implements section 4 of the project's design notes (rstar2-agent.md), which follow the GRPO-RoC part of the report
-(Shang et al. 2025, "rStar2-Agent: Agentic Reasoning Technical Report", arXiv 2508.20722):
+Implements the GRPO-RoC algorithm of the report (Shang et al. 2025, "rStar2-Agent: Agentic Reasoning Technical
+Report", arXiv 2508.20722, §2; in our words: docs/method.md, section 3):
 
 1. `drop_equal_groups`: a prompt whose 2G rollouts all have the same reward gives no signal and is dropped.
 2. `resample_on_correct` (RoC): one group of 2G rollouts down to G. Counts are proportional to the
@@ -15,7 +15,7 @@ Implements section 4 of the project's design notes (rstar2-agent.md), which foll
    data-parallel ranks add up to exactly the big-batch gradient (verl only approximates this per
    micro-batch). `sequence_mean_policy_loss` is the original GRPO aggregation, for ablations.
 
-Report vs public code (design section 9), as offered here:
+Report vs public code (docs/method.md, section 8), as offered here:
 - RoC selection: mode="sample" (report, default) or mode="lowest" (public code: positives by lowest
   penalty, ties by rollout order; negatives the first k in rollout order). Counts: Python's round (ties to
   even) as the public code uses, so both modes keep the public code's counts when keep = 2G / 2 with G even
@@ -26,7 +26,7 @@ Report vs public code (design section 9), as offered here:
   code's p_format divides by the turns after the first (pass num_turns - 1 to mimic it; the public code
   returns 1 where that count is 0, this function raises).
 
-Left out on purpose, as in the report's recipe (design section 4): no KL penalty and hence no reference
+Left out on purpose, as in the report's recipe: no KL penalty and hence no reference
 model (it would cost a second model in memory and a forward pass per step, and it ties the policy to the SFT
 model the RL stage is meant to move away from); no entropy bonus (the asymmetric clip-higher bound 0.28 is what
 keeps exploration here; an entropy bonus would be one more coefficient to tune). No ranks, logging or config

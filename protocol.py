@@ -1,6 +1,6 @@
 """The chat protocol between the model and the Python tool: one place for all markup.
 
-Implements section 2 of the rStar2-Agent report as this project reads it. SFT (`sft.py`), RL rollouts
+Implements the prompt and tool-call protocol of the rStar2-Agent report (§2) as this project reads it. SFT (`sft.py`), RL rollouts
 (`rollout.py`) and evaluation (`eval.py`) all render text through this module, so the three cannot drift apart.
 
 A conversation, as the model sees it (ChatML, the Qwen convention):
@@ -13,7 +13,7 @@ A conversation, as the model sees it (ChatML, the Qwen convention):
                                                             <- inserted by the environment (loss mask 0)
     ...thinking...</reason>\n<answer>\boxed{42}</answer><|im_end|>         <- sampled; no call: rollout ends
 
-Rules (report section 2):
+Rules (report §2):
 - A turn ends at `<|im_end|>`. Only the FIRST `<tool_call>...</tool_call>` of a turn is executed.
 - A call that is not valid JSON, names an unknown tool or has bad arguments is not an exception: `parse_tool_call`
   returns a `ToolCall` with `error` set, the rollout sends that text back as the tool response, and it counts as a

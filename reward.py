@@ -1,6 +1,6 @@
 """The 0/1 answer reward: extract the model's final boxed answer and check it against the ground truth.
 
-Implements section 3 of the rStar2-Agent report: r = 1 if the final answer is equivalent to the ground truth, else 0;
+Implements the outcome-only reward of the rStar2-Agent report (§2): r = 1 if the final answer is equivalent to the ground truth, else 0;
 no format, tool or length terms. Used by training (integer answers) and evaluation (MATH-500, HMMT LaTeX answers).
 
     extract_answer(text)          last \\boxed{...} or \\fbox{...} (nested braces matched) in the final complete

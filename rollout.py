@@ -1,6 +1,6 @@
 """Multi-turn agentic rollouts: the policy thinks, calls the Python tool, reads the result, and answers.
 
-Implements section 2 of rstar2-agent.md (the protocol lives in `protocol.py`; this file plays it out):
+Implements the report's multi-turn rollout (§2; the protocol lives in `protocol.py`; this file plays it out):
 
     prompt = system + user(problem) + "<|im_start|>assistant\\n<reason>"
     repeat:  the policy samples one turn, up to and including <|im_end|>            (loss mask 1)
@@ -18,7 +18,7 @@ Implements section 2 of rstar2-agent.md (the protocol lives in `protocol.py`; th
   text is the tool response and it counts as a failed call, as does any ToolResult that is not "ok".
 - Truncated rollouts ("length", "max_turns") are kept; the caller scores them (usually reward 0).
 
-Scheduling (the report's asynchronous tool dispatch, section 8, on one engine): every rollout is a request on the
+Scheduling (the report's asynchronous tool dispatch, §3, on one engine): every rollout is a request on the
 sampler (`add`), which batches them continuously. When a turn finishes (`step`), its tool call is submitted to the
 code tool at once (`tool.submit`, concurrent workers); when the result is back, the conversation is added again and
 joins the running batch on the next step, while the others keep generating. So tool time hides behind generation
@@ -204,7 +204,7 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
 
 
 def rollout_sums(trajs, rewards) -> dict:
-    """Per-rollout diagnostics (rstar2-agent.md section 4) as {name: (sum, count)}, so data-parallel ranks can
+    """Per-rollout diagnostics (the report's training curves) as {name: (sum, count)}, so data-parallel ranks can
     add them up exactly before dividing (`means`). rewards: one 0/1 reward per trajectory."""
     pos = [t for t, r in zip(trajs, rewards) if r > 0]
     calls = sum(t.num_tool_calls for t in trajs)

@@ -1,6 +1,6 @@
 """Samplers: the policy's text generation behind one small interface, on transformers (CPU) or vLLM (GPU or CPU).
 
-The rollout (`rollout.py`, report section 2) only needs token ids in and token ids out, one request per turn:
+The rollout (`rollout.py`, report §2) only needs token ids in and token ids out, one request per turn:
 
     sampler.add(key, prompt_ids, max_new_tokens, temperature, top_p)   queue a request
     sampler.step() -> [(key, Completion), ...]                         advance; the requests that finished
@@ -10,7 +10,7 @@ The rollout (`rollout.py`, report section 2) only needs token ids in and token i
     sampler.score(token_ids) -> [float]                                 log-probs of a fixed sequence (hand-off check)
 
 `add`/`step` is continuous batching: a conversation whose tool result is back joins the batch on the next step,
-while the others keep generating (the report's asynchronous tool dispatch, section 8, on one engine).
+while the others keep generating (the report's asynchronous tool dispatch, §3, on one engine).
 - `prompt_ids`: the whole conversation so far, as token ids (never re-tokenized text).
 - `max_new_tokens`: the request's budget (the rollout's remaining response budget).
 - A request stops after `<|im_end|>` (or the model's own end-of-text id); the stop id is kept in `token_ids`.
@@ -33,7 +33,7 @@ Two implementations:
   real engine. vLLM is imported lazily, so this module loads without it.
 `TurnSampler` gives `add`/`step` to anything that has only `generate` (each step generates everything queued).
 
-Left out: the report's KV-cache-aware balancing of requests across several engines (section 8): each rank drives
+Left out: the report's KV-cache-aware balancing of requests across several engines (§3): each rank drives
 its own engine; tensor parallelism inside a training rank's engine (`VLLMSampler.update_weights` refuses it).
 """
 import itertools

@@ -1,9 +1,8 @@
 """Non-reasoning SFT: teach the chat and tool-call format before RL, with loss on the assistant's tokens only.
 
-Implements the first training stage of rStar2-Agent, its non-reasoning SFT (design doc
-/work/shared/design/rstar2-agent.md, sections 1 and 6): about 222K non-reasoning examples (function calling,
-code-as-tool-call, instruction following, chat), 3 epochs, lr 5e-6, 4% linear warm-up then cosine decay, batch 128
-sequences. The report gives no weight decay or clip value for SFT; this file uses the RL stage's grad clip (1.0).
+Implements the first training stage of rStar2-Agent, its non-reasoning SFT (report §4): about 222K non-reasoning
+examples (function calling, code-as-tool-call, instruction following, chat), 3 epochs, lr 5e-6, 4% linear warm-up
+then cosine decay, batch 128 sequences. The report gives no weight decay or clip value for SFT; this file uses the RL stage's grad clip (1.0).
 
 Data: JSONL conversations in the common `messages` format with tool calls (`data.load_conversations`); the tiny task
 writes its own (`tiny_task.py`). Each conversation is rendered by `protocol.ChatFormat.render_messages` into

@@ -1,6 +1,6 @@
 """A tiny character-level tokenizer and Qwen3 causal LM that exist without any download.
 
-The tiny CPU pipeline (rstar2-agent.md section 10) needs a policy it can build from nothing. This module writes one
+The tiny CPU pipeline needs a policy it can build from nothing. This module writes one
 to a folder with `save_pretrained`, so every later step loads it with `AutoTokenizer.from_pretrained` and
 `AutoModelForCausalLM.from_pretrained`, exactly as it would load a real checkpoint such as Qwen3-14B-Base.
 

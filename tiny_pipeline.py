@@ -9,7 +9,7 @@
   2. tiny_task.py    the built-in task: RL problems (two levels), held-out test split, SFT conversations
   3. sft.py          non-reasoning SFT: format and tool use, not the policy
   4. train.py        RL stage 1 (level 1), stage 2 (longer budget, levels 1 and 2), stage 3 (the level-2 problems
-                     the stage-2 policy did not solve k of k times, fresh optimizer) -- report section 6, scaled down
+                     the stage-2 policy did not solve k of k times, fresh optimizer) -- report §4, scaled down
   5. eval.py         after SFT and after every stage, on the held-out split; stage 3's data comes from eval.py too
   6. report.py       the problems that changed from SFT to stage 3, side by side (compare_sft_stage3.html)
 Each step writes into its own folder and, when its command succeeds, a marker `step.json` there recording the command,
@@ -121,7 +121,7 @@ def pipeline(root: Path, quick: bool, backend: str = "auto", sampler: str = "hf"
                 f"out_dir={root / 'unsolved_stage2'}", f"benchmarks=[{data / 'train_level2.jsonl'}]",
                 "samples=4", "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}", *engine]
                 + (["limit=6", "samples=2"] if quick else ["limit=200"]), after=[done["stage2"], task]))
-        # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report section 6).
+        # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report §4).
         extra = [f"optimizer_from={root / 'stage1'}"] if stage == 2 else []
         # Held-out curves during stage 1 only; every stage's final model is evaluated below with eval.py.
         evals = [f"eval_data={data / 'test.jsonl'}"] if stage == 1 else []

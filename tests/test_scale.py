@@ -1,4 +1,4 @@
-"""Scale-out claims, proven with CPU processes (issue 8): two data-parallel ranks over gloo give the update of one
+"""Scale-out claims, proven with CPU processes: two data-parallel ranks over gloo give the update of one
 rank with the whole batch, and a run killed with SIGKILL resumes to the same metrics and weights."""
 import json
 import os
