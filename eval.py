@@ -49,6 +49,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cpu_threads
 from config import format_config, parse_cli, save_config
 from data import check_model_path, load_problems, write_jsonl
 from protocol import DEFAULT_USER_INSTRUCTION, IM_END, chat_format, parse_tool_call
@@ -83,6 +84,7 @@ class EvalConfig:
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
     limit: int = 0                        # first N problems of each benchmark (0: all), for quick runs
     seed: int = 0
+    torch_threads: int = 0                # torch CPU threads; 0: one fewer than the cores (cpu_threads.py)
     unsolved_out: str | None = None       # write problems solved < k of k times here (stage-3 data, report sec. 6)
     # --- code tool (report section 5; public code: 4 s, 1,000 chars)
     tool_workers: int = 4
@@ -307,6 +309,7 @@ def run(cfg: EvalConfig) -> dict:
     names = [n for n, _ in benches]
     benches = [(n if names.count(n) == 1 else spec, probs[:cfg.limit] if cfg.limit else probs)
                for (n, probs), spec in zip(benches, cfg.benchmarks)]  # two files named test.jsonl: use the paths
+    print(f"{cpu_threads.set_torch_threads(cfg.torch_threads)} torch thread(s)")
     sampler, tokenizer = load_model(cfg)
     fmt = chat_format(cfg.system_prompt, cfg.user_instruction)
     results, missed, k = {}, [], cfg.samples

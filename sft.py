@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import cpu_threads  # noqa: F401  (first: it sets OpenMP's wait policy, which is read when torch loads)
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, PartialState
@@ -88,6 +89,7 @@ class SFTConfig:
     save_every: int = 0  # optimizer steps between checkpoints (0: none); a multiple of log_every
     keep_checkpoints: int = 2  # newest checkpoints kept in out_dir
     resume: str = "auto"  # "auto": continue from out_dir's latest checkpoint; "never"; or a checkpoint folder
+    torch_threads: int = 0  # torch CPU threads; 0: one fewer than the cores (cpu_threads.py)
 
 
 # ----------------------------------------------------------------------------------- data (pure)
@@ -242,6 +244,7 @@ def train(cfg: SFTConfig) -> Path:
     checkpoint = resume_point(cfg, out)
     acc, grad_accum = make_accelerator(cfg)
     acc.print(format_config(cfg))
+    acc.print(f"sft: {cpu_threads.set_torch_threads(cfg.torch_threads)} torch thread(s)")
     set_seed(cfg.seed)
     metrics_path = out / "metrics.jsonl"
     if acc.is_main_process:

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cpu_threads  # noqa: F401  (first: it sets OpenMP's wait policy, which is read when torch loads)
 import torch
 from tqdm import tqdm
 
@@ -121,7 +122,7 @@ class TrainConfig:
     save_every: int = 50
     keep_checkpoints: int = 2
     report_to: str | None = None          # tensorboard | wandb (Accelerate trackers)
-    torch_threads: int = 0                # CPU threads for torch (0: its default); 1 leaves a core to the tool
+    torch_threads: int = 0                # torch CPU threads; 0: one fewer than the cores (cpu_threads.py)
 
 
 # ============================================================================ plain helpers (no rank logic here)
@@ -440,11 +441,10 @@ def setup(cfg: TrainConfig):
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
     # cpu=True without a GPU: the only way Accelerate sets up gloo across CPU processes (torchrun, accelerate launch)
     acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision,
                       log_with=cfg.report_to, project_dir=cfg.out_dir)
+    threads = cpu_threads.set_torch_threads(cfg.torch_threads)  # after Accelerate, which may set its own count
     validate(cfg, acc.num_processes)
     out = Path(cfg.out_dir)
     problems = load_data(cfg.data)
@@ -463,6 +463,7 @@ def setup(cfg: TrainConfig):
         optimizer_file(cfg.optimizer_from)
     if acc.is_main_process:
         print(format_config(cfg))
+        print(f"{threads} torch thread(s)")
         save_config(cfg, out / "config.yaml")
         if cfg.report_to:
             acc.init_trackers("rstar2", config={k: str(v) for k, v in vars(cfg).items()})
