@@ -261,16 +261,25 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
     world, size = accelerator.num_processes, cfg.micro_batch_size
     # Every rank runs the same number of micro-batches (the largest any rank needs).
     n_micro = max(int(all_max(accelerator, math.ceil(len(kept) / size))), 1)
+    per_update = math.ceil(n_micro / cfg.updates_per_step)
+    # Within each mini-batch, micro-batches of similar length: each is padded to its longest sequence (one
+    # truncated rollout would otherwise pad a whole micro-batch to the budget). The loss sums over the
+    # mini-batch's tokens, so the order inside it changes nothing.
+    span = per_update * size
+    kept = [x for m in range(0, len(kept), span)
+            for x in sorted(kept[m:m + span], key=lambda item: len(item[0].prompt_ids) + len(item[0].response_ids))]
     chunks = micro_batches(kept, size, n_micro)
     batches = [make_batch(c, dummy, pad_id) for c in chunks]
-    # Phase 7: old log-probs under the policy before this step's first update.
+    # Phase 7: old log-probs under the policy before this step's first update. The first mini-batch's are the
+    # log-probs its own forward computes (nothing has changed the policy yet), so only later mini-batches need a
+    # forward of their own now (None: take them from the update's forward).
     model.eval()
     with torch.no_grad():
-        old = [token_logprobs(model, b, cfg.temperature) for b, _ in batches]
+        old = [None if i < per_update else token_logprobs(model, b, cfg.temperature) for i, (b, _) in
+               enumerate(batches)]
     model.train()
     # Phase 8: `updates_per_step` optimizer steps (mini-batches), each accumulating its micro-batches.
     sums = {}
-    per_update = math.ceil(n_micro / cfg.updates_per_step)
     for u in range(cfg.updates_per_step):
         ids = list(range(u * per_update, min((u + 1) * per_update, n_micro)))
         # The normaliser, over ALL ranks and micro-batches of this mini-batch: unmasked tokens (token-level loss)
@@ -283,7 +292,8 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
             (batch, adv), last = batches[i], j == len(ids) - 1
             with contextlib.nullcontext() if last else accelerator.no_sync(model):
                 logp = token_logprobs(model, batch, cfg.temperature)
-                loss, metrics = LOSSES[cfg.loss_agg](logp, old[i], adv, batch["loss_mask"], clip_low=cfg.clip_low,
+                old_logp = logp.detach() if old[i] is None else old[i]
+                loss, metrics = LOSSES[cfg.loss_agg](logp, old_logp, adv, batch["loss_mask"], clip_low=cfg.clip_low,
                                                      clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, **norm)
                 # x world: DDP/FSDP average gradients over ranks, and the normaliser already counts every rank.
                 accelerator.backward(loss * world)
