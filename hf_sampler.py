@@ -111,8 +111,9 @@ class _Request:
 class HFSampler:
     """Continuous batching on a transformers causal LM, with our own decode loop (CPU, or one GPU for small runs).
 
-    model: a causal LM, possibly the very object the trainer updates (colocated); it is in eval mode during each
-    step and its training flag is restored afterwards. batch_size: requests decoded together (slots).
+    model: a causal LM, possibly the very object the trainer updates (colocated); it is in eval mode while the
+    sampler has requests and its training flag is restored when the last one is done (`has_work()` turns False).
+    batch_size: requests decoded together (slots).
     stop_ids: ids that end a request (default: <|im_end|> and the model's EOS; [] = run every budget out).
     prefix_cache_rows: finished requests whose keys and values are kept for a later prompt that extends them
     (default 2 x batch_size, the oldest dropped first; 0 = off). Memory per kept token: layers x 2 x kv_heads x
@@ -122,8 +123,8 @@ class HFSampler:
     Slots share one column counter: a request's tokens end at the current column when it is admitted, and `seen`
     (slots, capacity) marks which columns hold its tokens. The 4-D additive attention mask is built from `seen`,
     with explicit position ids, so gaps between a request's columns are never attended; attention starts at the
-    first column any live row uses. When rows or columns run out, the buffers are laid out again without the dead
-    columns.
+    first column any live row uses. When rows or columns run out, the live columns slide left within the buffers
+    (new, larger buffers only when they are too small), dropping the dead columns.
     Sampling draws from the global torch RNG; which requests share a step depends on when tool results come back,
     so seeded runs repeat exactly only when the caller adds requests in a fixed pattern (rollout(sync_turns=True))."""
 
@@ -141,6 +142,7 @@ class HFSampler:
         self.live: list[_Request] = []  # the request in each slot 0..len(live)-1
         self.kv: _KVBuffer | None = None
         self.seen = self.feed = self.next_pos = self.temps = self.top_ps = None  # per slot, see _make_room
+        self._was_training = False  # the model was in training mode when the running requests began
 
     def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0) -> None:
         assert len(prompt) >= 1 and max_new_tokens >= 1
@@ -153,14 +155,26 @@ class HFSampler:
         return generate_all(self, prompts, max_new_tokens, temperature, top_p)
 
     def step(self) -> list[tuple[object, Completion]]:
-        was_training = self.model.training
-        self.model.eval()
+        # Eval mode while requests run, the training flag back once none is left: `train()` and `eval()` walk every
+        # module (about 2 ms for the tiny model, a fifth of a decode step), too much to pay twice per token.
+        if self.model.training:
+            self.model.eval()
+            self._was_training = True
         try:
             with torch.inference_mode():
                 done = self._admit() if self.queue and len(self.live) < self.batch_size else []
-                return done + (self._decode() if self.live else [])
-        finally:
-            self.model.train(was_training)
+                done += self._decode() if self.live else []
+        except BaseException:
+            self._restore_mode()
+            raise
+        if not self.has_work():
+            self._restore_mode()
+        return done
+
+    def _restore_mode(self) -> None:
+        if self._was_training:
+            self.model.train()
+            self._was_training = False
 
     def _admit(self) -> list[tuple[object, Completion]]:
         """Move queued requests (up to the free slots) into slots and read their prompts in one forward: a stored
@@ -248,6 +262,17 @@ class HFSampler:
         n = len(self.live)
         keep = 0 if kv is None else kv.length - first  # live columns, copied over
         length = max(before, keep) + max(before, keep) // 4  # spare room: later prompts are longer
+        if kv is not None and rows <= self.seen.shape[0] and length + after <= kv.capacity:
+            # The buffers are large enough: slide the live columns [first, length) to [length' - keep, length')
+            # in place (zeroing fresh buffers cost more than the rollout's sampling). Columns outside a row's
+            # `seen` keep old but finite values, which the mask hides.
+            for t in kv.k + kv.v:
+                t[:n, :, length - keep:length] = t[:n, :, first:kv.length].clone()
+            moved = self.seen[:n, first:kv.length].clone()
+            self.seen[:n] = False
+            self.seen[:n, length - keep:length] = moved
+            kv.length = length
+            return
         new = self._buffers(min(self.batch_size, max(rows, 2 * n)), length + 2 * after, length)
         slots = new.k[0].shape[0]
         seen = torch.zeros(slots, new.capacity, dtype=torch.bool, device=self.device)
@@ -294,11 +319,13 @@ class HFSampler:
 
     def update_weights(self, model) -> None:
         """Colocated (the trainer's own model object): nothing to copy. Otherwise copy the state dict in. Either
-        way the stored keys and values were computed with the old weights: they are dropped, and the slot buffers
-        are freed for the update."""
+        way the stored keys and values were computed with the old weights: they are dropped. On an accelerator the
+        slot buffers are freed for the update (allocated again by the next rollout); on the CPU they are kept,
+        since memory is plentiful there and zeroing them again each step is not free."""
         assert not self.has_work(), "update_weights between rollouts, not during one"
         self.prefixes.clear()
-        self.kv = self.seen = None  # the slot buffers are allocated again by the next rollout
+        if self.device.type != "cpu":
+            self.kv = self.seen = None
         if model is not self.model:
             self.model.load_state_dict(model.state_dict())
 

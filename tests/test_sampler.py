@@ -1,6 +1,7 @@
 """sampler.py and hf_sampler.py: HFSampler on the tiny model (stops, log-probs, budgets, weights) and VLLMSampler against a fake
 engine shaped like vLLM's (vLLM itself is not installable here)."""
 import ast
+import copy
 import sys
 import types
 from dataclasses import dataclass
@@ -98,8 +99,10 @@ def test_hf_sampler_drops_finished_rows_at_once(tiny, monkeypatch):
 def test_hf_sampler_reuses_the_keys_and_values_of_earlier_turns(tiny, monkeypatch):
     """Turn 2 of a conversation (turn-1 prompt + its completion + a tool response) reads only the new tokens; rows
     with and without a stored prefix, of different lengths, share a batch; log-probs match a fresh forward pass and
-    greedy tokens equal those of a sampler without the prefix store."""
+    greedy tokens equal those of a sampler without the prefix store. New weights drop the stored prefixes; on the
+    CPU the slot buffers are kept, and what they still hold from the old weights is never attended."""
     _, tok, model = tiny
+    model = copy.deepcopy(model)  # update_weights below loads other weights into it
     sampler = HFSampler(model, tok, batch_size=8)
     first = prompts_of(tok, ["Compute 12*34.", "x", "a longer prompt with more tokens"])
     torch.manual_seed(1)
@@ -119,9 +122,16 @@ def test_hf_sampler_reuses_the_keys_and_values_of_earlier_turns(tiny, monkeypatc
         assert torch.allclose(torch.tensor(c.logprobs), fresh_logprobs(model, p, c, 0.7), atol=1e-4)
     assert [c.token_ids for c in sampler.generate(second, [30] * 4, temperature=0.0)] \
         == [c.token_ids for c in plain.generate(second, [30] * 4, temperature=0.0)]
-    sampler.update_weights(model)  # new weights: stored keys and values are stale; the buffers are freed
-    assert sampler.prefixes.entries == {} and sampler.kv is None
-    assert len(sampler.generate(second[:1], [5])[0].token_ids) <= 5  # and allocated again when needed
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.mul_(1.5)
+    buffers = sampler.kv
+    sampler.update_weights(changed)  # new weights: stored keys and values are stale
+    assert sampler.prefixes.entries == {} and sampler.kv is buffers
+    again = sampler.generate(second, [10] * 4, temperature=1.0)
+    for p, c in zip(second, again):  # every prompt read afresh with the new weights (nothing stored is reused)
+        assert torch.allclose(torch.tensor(c.logprobs), fresh_logprobs(changed, p, c), atol=1e-4)
 
 
 def test_hf_sampler_admits_requests_while_others_decode(tiny):
