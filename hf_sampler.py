@@ -178,29 +178,46 @@ class HFSampler:
 
     def _admit(self) -> list[tuple[object, Completion]]:
         """Move queued requests (up to the free slots) into slots and read their prompts in one forward: a stored
-        prefix is copied in, the new tokens end at the current column; then each samples its first token."""
+        prefix is copied in, the new tokens end at the current column; then each samples its first token.
+        Requests with the same prompt (a group's 2G rollouts, an evaluation's k samples) read it once: the first
+        one's row is computed, the others get copies of its keys, values and logits (slots after the computed ones)."""
         reqs = [self.queue.popleft() for _ in range(min(len(self.queue), self.batch_size - len(self.live)))]
-        reused = [self.prefixes.take(r.prompt) for r in reqs]  # (cached length, kv) per request
-        new = [r.prompt[n:] for r, (n, _) in zip(reqs, reused)]
-        new_w, lo, hi = max(map(len, new)), len(self.live), len(self.live) + len(reqs)
-        self._make_room(hi, new_w + max(n for n, _ in reused),
-                        max(r.budget - len(r.tokens) for r in self.live + reqs))
+        first = {}  # prompt -> the first request with it
+        for r in reqs:
+            first.setdefault(tuple(r.prompt), r)
+        unique = list(first.values())
+        copies = [r for r in reqs if first[tuple(r.prompt)] is not r]
+        reqs = unique + copies
+        reused = [self.prefixes.take(r.prompt) for r in unique]  # (cached length, kv) per computed request
+        new = [r.prompt[n:] for r, (n, _) in zip(unique, reused)]
+        new_w, cached_w = max(map(len, new)), max(n for n, _ in reused)
+        lo, mid, hi = len(self.live), len(self.live) + len(unique), len(self.live) + len(reqs)
+        self._make_room(hi, new_w + cached_w, max(r.budget - len(r.tokens) for r in self.live + reqs))
         kv, end = self.kv, self.kv.length
         start = end - new_w  # the new tokens of the batch: columns [start, end), each row's right-aligned
-        ids = torch.full((len(reqs), new_w), self.pad_id, dtype=torch.long)
-        pos = torch.zeros((len(reqs), new_w), dtype=torch.long)
+        ids = torch.full((len(unique), new_w), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((len(unique), new_w), dtype=torch.long)
         self.seen[lo:hi] = False
-        for j, (req, (n, cached), tail) in enumerate(zip(reqs, reused, new)):
+        for j, (req, (n, cached), tail) in enumerate(zip(unique, reused, new)):
             slot = lo + j
             for layer, (k, v) in enumerate(cached or []):  # the stored prefix ends where the new part may begin
                 kv.k[layer][slot, :, start - n:start], kv.v[layer][slot, :, start - n:start] = k, v
             ids[j, new_w - len(tail):] = torch.tensor(tail)
             pos[j, new_w - len(tail):] = torch.arange(n, n + len(tail))
             self.seen[slot, start - n:start] = self.seen[slot, end - len(tail):end] = True
+        for slot, req in enumerate(reqs, start=lo):
             self.next_pos[slot], self.temps[slot], self.top_ps[slot] = len(req.prompt), req.temperature, req.top_p
-        kv.rows, kv.length, kv.first = slice(lo, hi), start, self._first_column(lo, hi)
-        logits = self._forward(ids.to(self.device), pos.to(self.device), self.seen[lo:hi], kv)
+        kv.rows, kv.length, kv.first = slice(lo, mid), start, self._first_column(lo, mid)
+        logits = self._forward(ids.to(self.device), pos.to(self.device), self.seen[lo:mid], kv)
         kv.length = end
+        if copies:
+            index = {id(r): j for j, r in enumerate(unique)}
+            source = torch.tensor([index[id(first[tuple(r.prompt)])] for r in copies], device=self.device)
+            columns = slice(start - cached_w, end)
+            for k, v in zip(kv.k, kv.v):
+                k[mid:hi, :, columns], v[mid:hi, :, columns] = k[lo + source, :, columns], v[lo + source, :, columns]
+            self.seen[mid:hi] = self.seen[lo + source]
+            logits = torch.cat([logits, logits[source]])
         self.live += reqs
         return self._sample_and_retire(logits, lo, hi)
 

@@ -134,6 +134,22 @@ def test_hf_sampler_reuses_the_keys_and_values_of_earlier_turns(tiny, monkeypatc
         assert torch.allclose(torch.tensor(c.logprobs), fresh_logprobs(changed, p, c), atol=1e-4)
 
 
+def test_hf_sampler_reads_a_repeated_prompt_once(tiny, monkeypatch):
+    """A group's rollouts share their prompt: admitted together, each distinct prompt is read in one row of the
+    prefill (the copies get its keys, values and logits), yet every copy samples on its own and its log-probs match
+    a fresh forward pass."""
+    _, tok, model = tiny
+    sampler = HFSampler(model, tok, batch_size=8, stop_ids=[])
+    shapes = spy_forward(model, monkeypatch)
+    prompts = prompts_of(tok, ["Compute 12*34.", "a longer prompt", "Compute 12*34."]) * 2
+    torch.manual_seed(5)
+    out = sampler.generate(prompts, [12] * 6, temperature=1.5)
+    assert shapes[0] == (2, len(prompts[1])) and shapes[1] == (6, 1)  # 2 distinct prompts read, 6 rows decoded
+    assert len({tuple(c.token_ids) for c in out}) == 6  # the copies sample independently
+    for p, c in zip(prompts, out):
+        assert torch.allclose(torch.tensor(c.logprobs), fresh_logprobs(model, p, c, 1.5), atol=1e-4)
+
+
 def test_hf_sampler_admits_requests_while_others_decode(tiny):
     """Requests join a running batch: a second one after 5 steps (more slots needed), then a prompt longer than all
     columns used so far (the live rows' keys and values are laid out again). Every log-prob still matches a fresh
