@@ -46,6 +46,7 @@ prompt or answer format.
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -319,9 +320,11 @@ def run(cfg: EvalConfig) -> dict:
         for name, problems in benches:
             print(f"{name}: {len(problems)} problems x {k} samples")
             set_seed(cfg.seed)  # each benchmark's samples do not depend on which benchmarks ran before it
+            start = time.perf_counter()
             metrics, trajs = evaluate(problems, sampler, tool, tokenizer, fmt, k, cfg.max_response_tokens,
                                       cfg.max_turns, cfg.temperature, cfg.top_p, cfg.batch_size, cfg.sync_turns,
                                       progress=True)
+            metrics["seconds"] = time.perf_counter() - start  # rollouts and scoring (wall clock)
             results[name] = metrics
             for i, traj in enumerate(trajs):  # written as each benchmark finishes: a crash keeps the earlier ones
                 record = trajectory_record(name, problems[i // k], i // k, i % k, traj)

@@ -328,7 +328,8 @@ def train(cfg: SFTConfig) -> Path:
                 all_tokens = acc.reduce(torch.tensor(tokens, device=acc.device), reduction="sum").item()
                 row = {"step": step, "sft/loss": mean_loss, "sft/lr": scheduler.get_last_lr()[0],
                        "sft/epoch": step / steps_per_epoch,
-                       "perf/tokens_per_s": all_tokens / (time.perf_counter() - t0)}
+                       "perf/tokens_per_s": all_tokens / (time.perf_counter() - t0),
+                       "perf/seconds": time.perf_counter() - t0}
                 log_step(acc, metrics_path, row, bar)
                 losses, tokens, t0 = [], 0, time.perf_counter()
             if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:

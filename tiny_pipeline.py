@@ -11,9 +11,18 @@
   5. eval.py         after SFT and after every stage, on the held-out split; stage 3's data comes from eval.py too
 Each step is skipped when its output already exists, so an interrupted pipeline continues where it stopped
 (train.py itself resumes from its last checkpoint). `--fresh` deletes the run folder first.
+
+Every command runs with one torch thread (the tiny configs' `torch_threads: 1`), so the evaluation of a stage's
+model runs beside the next stage's training (its output goes to runs/tiny/eval_<stage>.log), on the other core.
+At the end a table says where the time went, written to summary.json as `phases`: per command its wall-clock and
+CPU seconds (its processes and the tool's, from the operating system's accounting: on a busy machine the CPU
+column is the steadier one), and inside each the parts the entry points log: SFT's training loop, each stage's
+rollout / update / held-out evaluation seconds (metrics.jsonl), each evaluation's rollouts (results.json); the
+rest of a command's wall time is its start-up (imports, model, tool workers) and its saving.
 """
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -31,53 +40,133 @@ QUICK = {
 }
 
 
-def run(cmd: list[str]) -> None:
-    print("\n$ " + " ".join(cmd), flush=True)
-    subprocess.run([sys.executable] + cmd, check=True)
+class Commands:
+    """Runs the pipeline's commands, in the foreground or beside the next one, and records for each its wall-clock
+    seconds, its CPU seconds (the process and every process it waited for: tool workers, reward checks) and when
+    it started, for the time table."""
+
+    def __init__(self):
+        self.start, self.phases, self.background = time.perf_counter(), {}, []
+
+    def run(self, name: str, cmd: list[str]) -> None:
+        print("\n$ " + " ".join(cmd), flush=True)
+        self._wait(name, cmd, subprocess.Popen([sys.executable] + cmd), None)
+
+    def start_beside(self, name: str, cmd: list[str], log: Path) -> None:
+        """Start `cmd` now and go on; its output goes to `log`. `join` waits for it."""
+        print(f"\n$ {' '.join(cmd)}   (beside the next step; output in {log})", flush=True)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as f:
+            proc = subprocess.Popen([sys.executable] + cmd, stdout=f, stderr=subprocess.STDOUT)
+        self.background.append((name, cmd, proc, log, time.perf_counter()))
+
+    def join(self) -> None:
+        for name, cmd, proc, log, started in self.background:
+            self._wait(name, cmd, proc, log, started)
+        self.background = []
+
+    def _wait(self, name, cmd, proc, log, started=None) -> None:
+        started = time.perf_counter() if started is None else started
+        if hasattr(os, "wait4"):  # the CPU time of exactly this process and those it waited for
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode, cpu = os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
+        else:
+            proc.wait()
+            cpu = None
+        if proc.returncode != 0:
+            tail = "".join(log.read_text().splitlines(keepends=True)[-30:]) if log else ""
+            raise SystemExit(f"{tail}\ncommand failed (exit {proc.returncode}): {' '.join(cmd)}")
+        self.phases[name] = {"wall_s": time.perf_counter() - started, "cpu_s": cpu,
+                             "start_s": started - self.start, "beside_next": log is not None}
 
 
-def evaluate(root: Path, name: str, quick: bool) -> dict:
-    """eval.py on the held-out split for one stage's model; returns its metrics for the test benchmark."""
-    out = root / f"eval_{name}"
-    if not (out / "results.json").is_file():
-        run(["eval.py", "configs/tiny/eval.yaml", f"model_path={root / name / 'model'}", f"out_dir={out}",
-             f"benchmarks=[{root / 'data' / 'test.jsonl'}]"] + (QUICK["eval"] if quick else []))
-    results = json.loads((out / "results.json").read_text())["benchmarks"]
-    return next(iter(results.values()))
+def eval_command(root: Path, name: str, quick: bool) -> list[str]:
+    """eval.py on the held-out split for one stage's model."""
+    return ["eval.py", "configs/tiny/eval.yaml", f"model_path={root / name / 'model'}",
+            f"out_dir={root / f'eval_{name}'}", f"benchmarks=[{root / 'data' / 'test.jsonl'}]"] \
+        + (QUICK["eval"] if quick else [])
 
 
-def pipeline(root: Path, quick: bool) -> dict:
+def eval_results(root: Path, name: str) -> dict:
+    """The metrics of a stage's held-out evaluation (its results.json)."""
+    return next(iter(json.loads((root / f"eval_{name}" / "results.json").read_text())["benchmarks"].values()))
+
+
+def pipeline(root: Path, quick: bool, commands: Commands) -> dict:
     data = root / "data"
     if not (root / "base" / "config.json").is_file():
-        run(["tiny_model.py", str(root / "base")])
+        commands.run("model", ["tiny_model.py", str(root / "base")])
     if not (data / "sft.jsonl").is_file():
-        run(["tiny_task.py", str(data)] + (QUICK["task"] if quick else []))
+        commands.run("task", ["tiny_task.py", str(data)] + (QUICK["task"] if quick else []))
     if not (root / "sft" / "model" / "config.json").is_file():
-        run(["sft.py", "configs/tiny/sft.yaml", f"model_path={root / 'base'}", f"data={data / 'sft.jsonl'}",
-             f"out_dir={root / 'sft'}"] + (QUICK["sft"] if quick else []))
-    results = {"sft": evaluate(root, "sft", quick)}
+        commands.run("sft", ["sft.py", "configs/tiny/sft.yaml", f"model_path={root / 'base'}",
+                             f"data={data / 'sft.jsonl'}", f"out_dir={root / 'sft'}"] + (QUICK["sft"] if quick else []))
     stage_data = {1: [data / "train_level1.jsonl"], 2: [data / "train_level1.jsonl", data / "train_level2.jsonl"],
                   3: [data / "stage3.jsonl"]}
     previous = "sft"
     for stage in (1, 2, 3):
         name = f"stage{stage}"
+        # The previous model's held-out evaluation runs beside this stage (one torch thread each).
+        if not (root / f"eval_{previous}" / "results.json").is_file():
+            commands.start_beside(f"eval_{previous}", eval_command(root, previous, quick),
+                                  root / f"eval_{previous}.log")
         if stage == 3 and not (data / "stage3.jsonl").is_file():
             # Stage 3's data: problems the stage-2 policy did not solve k of k times (report: 8 of 8).
-            run(["eval.py", "configs/tiny/eval.yaml", f"model_path={root / 'stage2' / 'model'}",
-                 f"out_dir={root / 'unsolved_stage2'}", f"benchmarks=[{data / 'train_level2.jsonl'}]",
-                 "samples=4", "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}"]
+            commands.run("unsolved_stage2", [
+                "eval.py", "configs/tiny/eval.yaml", f"model_path={root / 'stage2' / 'model'}",
+                f"out_dir={root / 'unsolved_stage2'}", f"benchmarks=[{data / 'train_level2.jsonl'}]", "samples=4",
+                "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}"]
                 + (["limit=6", "samples=2"] if quick else ["limit=200"]))
         if not (root / name / "model" / "config.json").is_file():
             # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report section 6).
             extra = [f"optimizer_from={root / 'stage1'}"] if stage == 2 else []
-            # Held-out curves during stage 1 only; every stage's final model is evaluated below with eval.py.
+            # Held-out curves during stage 1 only; every stage's final model is evaluated with eval.py.
             evals = [f"eval_data={data / 'test.jsonl'}"] if stage == 1 else []
-            run(["train.py", f"configs/tiny/{name}.yaml", f"model_path={root / previous / 'model'}",
-                 "data=[" + ",".join(map(str, stage_data[stage])) + "]", f"out_dir={root / name}"]
-                + evals + extra + (QUICK["train"] if quick else []))
-        results[name] = evaluate(root, name, quick)
+            commands.run(name, ["train.py", f"configs/tiny/{name}.yaml", f"model_path={root / previous / 'model'}",
+                                "data=[" + ",".join(map(str, stage_data[stage])) + "]", f"out_dir={root / name}"]
+                         + evals + extra + (QUICK["train"] if quick else []))
+        commands.join()
         previous = name
-    return results
+    if not (root / "eval_stage3" / "results.json").is_file():
+        commands.run("eval_stage3", eval_command(root, "stage3", quick))
+    return {s: eval_results(root, s) for s in STAGES}
+
+
+def phase_parts(root: Path, name: str) -> dict:
+    """Seconds inside a command, from what its entry point logged; the rest of its wall time is start-up and
+    saving."""
+    def rows(path):
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    if name == "sft":
+        return {"training": sum(r.get("perf/seconds", 0.0) for r in rows(root / "sft" / "metrics.jsonl"))}
+    if name.startswith("stage"):
+        log = rows(root / name / "metrics.jsonl")
+        parts = {k: sum(r.get(f"perf/{k}_s", 0.0) for r in log) for k in ("rollout", "update", "eval")}
+        parts["reward_and_other"] = sum(r.get("perf/step_s", 0.0) for r in log) - parts["rollout"] - parts["update"]
+        return parts
+    if name.startswith("eval_") or name == "unsolved_stage2":
+        results = root / name / "results.json"
+        metrics = json.loads(results.read_text())["benchmarks"].values() if results.is_file() else []
+        return {"rollouts_and_scoring": sum(m.get("seconds", 0.0) for m in metrics)}
+    return {}
+
+
+def time_table(root: Path, phases: dict, wall: float) -> tuple[dict, str]:
+    """phases with their parts and start-up added, and the table printed at the end."""
+    lines = [f"{'command':<16}{'wall s':>7}{'CPU s':>7}  inside (wall s)"]
+    for name, p in phases.items():
+        p["parts"] = {k: round(v, 1) for k, v in phase_parts(root, name).items()}
+        if p["parts"]:
+            p["parts"]["startup_and_save"] = round(p["wall_s"] - sum(p["parts"].values()), 1)
+        p["wall_s"], p["start_s"] = round(p["wall_s"], 1), round(p["start_s"], 1)
+        p["cpu_s"] = None if p["cpu_s"] is None else round(p["cpu_s"], 1)
+        cpu = "-" if p["cpu_s"] is None else f"{p['cpu_s']:.0f}"
+        inside = ", ".join(f"{k} {v:.0f}" for k, v in p["parts"].items())
+        lines.append(f"{name:<16}{p['wall_s']:>7.0f}{cpu:>7}  {inside}" + ("  (beside the next stage)"
+                                                                             if p["beside_next"] else ""))
+    lines.append(f"{'all':<16}{wall:>7.0f}{'':>7}  the sum of the rows is larger: evaluations ran beside training"
+                 if any(p["beside_next"] for p in phases.values()) else f"{'all':<16}{wall:>7.0f}")
+    return phases, "\n".join(lines)
 
 
 def summarize(results: dict, wall: float) -> dict:
@@ -128,12 +217,16 @@ def main(argv=None) -> None:
     root = Path(args.root)
     if args.fresh:
         shutil.rmtree(root, ignore_errors=True)
-    start = time.time()
-    results = pipeline(root, args.quick)
-    summary = summarize(results, time.time() - start)
+    commands = Commands()
+    results = pipeline(root, args.quick, commands)
+    wall = time.perf_counter() - commands.start
+    summary = summarize(results, wall)
+    summary["phases"], times = time_table(root, commands.phases, wall)
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     plot_stages(results, root / "summary.png")
     print("\n" + table(results))
+    print("\nwhere the time went (this run's commands; a step skipped because its output existed is not listed)\n"
+          + times)
     print(f"\nsft -> stage3: {100 * summary['sft_accuracy']:.1f}% -> {100 * summary['stage3_accuracy']:.1f}% "
           f"({summary['gain_points']:+.1f} points) in {summary['wall_seconds']:.0f} s; wrote {root / 'summary.json'} and "
           f"{root / 'summary.png'}")

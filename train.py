@@ -532,7 +532,9 @@ def main(argv=None) -> None:
             metrics = reduce_sums(acc, train_step(step, cfg, run))
             step += 1
             if run.eval_problems and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
+                start = time.perf_counter()
                 metrics.update(held_out_eval(cfg, run))
+                metrics["perf/eval_s"] = time.perf_counter() - start
             if acc.is_main_process:
                 with open(log_path, "a") as f:
                     f.write(json.dumps({"step": step, "stage": cfg.stage, **metrics}) + "\n")
