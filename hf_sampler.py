@@ -97,6 +97,28 @@ def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
 
+# What one forward costs beyond its tokens, in token rows (rows x new tokens): on the tiny model on a CPU a forward
+# costs ~15 ms, a token row ~0.25 ms. `prefill_groups` weighs padding against extra forwards with it.
+PREFILL_FORWARD_COST = 64
+
+
+def prefill_groups(widths: list[int], forward_cost: int) -> list[int]:
+    """Cut rows reading widths[i] new tokens (ascending) into consecutive forwards, each padded to its widest row,
+    minimising the token rows computed plus forward_cost per forward (dynamic programming over the cut points).
+    Returns the end index of each forward's rows, e.g. [3, 5] for rows 0-2 and 3-4."""
+    best, cut = [0] + [float("inf")] * len(widths), [0] * (len(widths) + 1)
+    for j in range(1, len(widths) + 1):
+        for i in range(j):  # rows i..j-1 in one forward, padded to widths[j - 1]
+            cost = best[i] + (j - i) * widths[j - 1] + forward_cost
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    ends, j = [], len(widths)
+    while j:
+        ends.append(j)
+        j = cut[j]
+    return ends[::-1]
+
+
 @dataclass
 class _Request:
     key: object
@@ -177,49 +199,64 @@ class HFSampler:
             self._was_training = False
 
     def _admit(self) -> list[tuple[object, Completion]]:
-        """Move queued requests (up to the free slots) into slots and read their prompts in one forward: a stored
-        prefix is copied in, the new tokens end at the current column; then each samples its first token.
-        Requests with the same prompt (a group's 2G rollouts, an evaluation's k samples) read it once: the first
-        one's row is computed, the others get copies of its keys, values and logits (slots after the computed ones)."""
+        """Move queued requests (up to the free slots) into slots and read their new tokens: a stored prefix is
+        copied in, the new tokens end at the current column; then each samples its first token.
+        - Requests with the same prompt (a group's 2G rollouts, an evaluation's k samples) read it once: the first
+          one's row is computed, the others get copies of its keys, values and logits (the slots after it).
+        - The rows are sorted by how many new tokens they read and cut into a few forwards (`prefill_groups`),
+          each padded only to its own longest row: tool responses range from a number to a traceback."""
         reqs = [self.queue.popleft() for _ in range(min(len(self.queue), self.batch_size - len(self.live)))]
         first = {}  # prompt -> the first request with it
         for r in reqs:
             first.setdefault(tuple(r.prompt), r)
         unique = list(first.values())
         copies = [r for r in reqs if first[tuple(r.prompt)] is not r]
-        reqs = unique + copies
         reused = [self.prefixes.take(r.prompt) for r in unique]  # (cached length, kv) per computed request
+        order = sorted(range(len(unique)), key=lambda j: len(unique[j].prompt) - reused[j][0])
+        unique, reused = [unique[j] for j in order], [reused[j] for j in order]
+        reqs = unique + copies
         new = [r.prompt[n:] for r, (n, _) in zip(unique, reused)]
-        new_w, cached_w = max(map(len, new)), max(n for n, _ in reused)
+        new_w, cached_w = len(new[-1]), max(n for n, _ in reused)
         lo, mid, hi = len(self.live), len(self.live) + len(unique), len(self.live) + len(reqs)
         self._make_room(hi, new_w + cached_w, max(r.budget - len(r.tokens) for r in self.live + reqs))
-        kv, end = self.kv, self.kv.length
-        start = end - new_w  # the new tokens of the batch: columns [start, end), each row's right-aligned
-        ids = torch.full((len(unique), new_w), self.pad_id, dtype=torch.long)
-        pos = torch.zeros((len(unique), new_w), dtype=torch.long)
+        end = self.kv.length
         self.seen[lo:hi] = False
-        for j, (req, (n, cached), tail) in enumerate(zip(unique, reused, new)):
-            slot = lo + j
-            for layer, (k, v) in enumerate(cached or []):  # the stored prefix ends where the new part may begin
-                kv.k[layer][slot, :, start - n:start], kv.v[layer][slot, :, start - n:start] = k, v
-            ids[j, new_w - len(tail):] = torch.tensor(tail)
-            pos[j, new_w - len(tail):] = torch.arange(n, n + len(tail))
-            self.seen[slot, start - n:start] = self.seen[slot, end - len(tail):end] = True
         for slot, req in enumerate(reqs, start=lo):
             self.next_pos[slot], self.temps[slot], self.top_ps[slot] = len(req.prompt), req.temperature, req.top_p
-        kv.rows, kv.length, kv.first = slice(lo, mid), start, self._first_column(lo, mid)
-        logits = self._forward(ids.to(self.device), pos.to(self.device), self.seen[lo:mid], kv)
+        logits, a = [], 0
+        for b in prefill_groups([len(t) for t in new], PREFILL_FORWARD_COST):
+            logits.append(self._prefill(lo + a, reused[a:b], new[a:b], end))
+            a = b
+        logits, kv = torch.cat(logits), self.kv
         kv.length = end
         if copies:
             index = {id(r): j for j, r in enumerate(unique)}
             source = torch.tensor([index[id(first[tuple(r.prompt)])] for r in copies], device=self.device)
-            columns = slice(start - cached_w, end)
+            columns = slice(end - new_w - cached_w, end)
             for k, v in zip(kv.k, kv.v):
                 k[mid:hi, :, columns], v[mid:hi, :, columns] = k[lo + source, :, columns], v[lo + source, :, columns]
             self.seen[mid:hi] = self.seen[lo + source]
             logits = torch.cat([logits, logits[source]])
         self.live += reqs
         return self._sample_and_retire(logits, lo, hi)
+
+    def _prefill(self, lo: int, reused: list, tails: list[list[int]], end: int) -> torch.Tensor:
+        """One forward reading `tails` into slots lo, lo+1, ...: each row's new tokens end at column `end`
+        (right-aligned to the longest), its stored prefix (reused: (length, kv)) just before the longest's start.
+        Returns the logits of each row's last token."""
+        kv, width, hi = self.kv, max(map(len, tails)), lo + len(tails)
+        start = end - width
+        ids = torch.full((len(tails), width), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((len(tails), width), dtype=torch.long)
+        for j, ((n, cached), tail) in enumerate(zip(reused, tails)):
+            slot = lo + j
+            for layer, (k, v) in enumerate(cached or []):  # the stored prefix ends where the new part may begin
+                kv.k[layer][slot, :, start - n:start], kv.v[layer][slot, :, start - n:start] = k, v
+            ids[j, width - len(tail):] = torch.tensor(tail)
+            pos[j, width - len(tail):] = torch.arange(n, n + len(tail))
+            self.seen[slot, start - n:start] = self.seen[slot, end - len(tail):end] = True
+        kv.rows, kv.length, kv.first = slice(lo, hi), start, self._first_column(lo, hi)
+        return self._forward(ids.to(self.device), pos.to(self.device), self.seen[lo:hi], kv)
 
     def _decode(self) -> list[tuple[object, Completion]]:
         """Every live slot feeds its last sampled token (at the next column) and samples the next one."""

@@ -35,6 +35,7 @@ here). Before this loop (same bench, `generate` per turn, every turn re-reading 
 """
 import argparse
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -50,6 +51,7 @@ from code_tool import CodeTool  # noqa: E402
 from protocol import TOOL_NAME, chat_format  # noqa: E402
 from rollout import means, rollout, rollout_sums  # noqa: E402
 from hf_sampler import HFSampler  # noqa: E402
+from sampler import generate_all  # noqa: E402
 from sft import build_labels, collate, masked_lm_loss  # noqa: E402
 from tiny_model import build_tiny  # noqa: E402
 
@@ -89,13 +91,37 @@ def sft(model, tokenizer, fmt, steps: int, batch: int = 8, lr: float = 3e-3, see
     return loss.item()
 
 
-class TimedSampler:
-    """Wraps a sampler and adds up the seconds spent inside `step` (the rest of a rollout is tool waits and
-    bookkeeping)."""
+class Probe:
+    """Wraps an HFSampler: seconds inside `step`, split into prefill (`_admit`: reading prompts and tool responses)
+    and decode (`_decode`: one token for every live row), the forwards of each and the token rows they compute
+    (rows x new tokens), and the attention cells (token rows x attended columns). The rest of a rollout's wall time
+    is tool waits and bookkeeping."""
 
     def __init__(self, sampler):
         self.sampler, self.seconds = sampler, 0.0
         self.add, self.has_work = sampler.add, sampler.has_work
+        self.parts = {part: {"s": 0.0, "forwards": 0, "token_rows": 0, "cells": 0} for part in ("prefill", "decode")}
+        self.current = None
+        for part, method in (("prefill", "_admit"), ("decode", "_decode")):
+            setattr(sampler, method, self._timed(part, getattr(sampler, method)))
+        forward = sampler._forward
+
+        def counted(ids, pos, seen, cache):
+            row = self.parts[self.current]
+            row["forwards"] += 1
+            row["token_rows"] += ids.numel()
+            row["cells"] += ids.numel() * (cache.length + ids.shape[1] - cache.first)
+            return forward(ids, pos, seen, cache)
+        sampler._forward = counted
+
+    def _timed(self, part, method):
+        def timed():
+            self.current, start = part, time.perf_counter()
+            try:
+                return method()
+            finally:
+                self.parts[part]["s"] += time.perf_counter() - start
+        return timed
 
     def step(self):
         start = time.perf_counter()
@@ -141,6 +167,7 @@ def main():
     p.add_argument("--workers", type=int, default=None, help="code tool workers (default: CodeTool's)")
     p.add_argument("--model-dir", default=None, help="reuse/keep the fine-tuned tiny model here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3, help="repeat the whole comparison; medians are reported")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -160,49 +187,80 @@ def main():
     rng = random.Random(a.seed + 1)
     problems = [conversation(rng)[0] for _ in range(a.n)]
     prompts = [tokenizer.encode(fmt.prompt(q), add_special_tokens=False) for q in problems]
-    no_stop = HFSampler(model, tokenizer, batch_size=a.n, stop_ids=[])  # runs each budget out exactly
-    rows = []  # (name, sampled tokens, wall s, step s, stats or None, (tok/s of the two twins), context, tool text)
+    rounds = []  # per round: {mode: {name: row}}
     with CodeTool(workers=a.workers) as tool:
         tool.run_batch([("print(1)", "")] * tool.workers)  # warm the workers
-        for sync_turns in (False, True):
-            sampler = HFSampler(model, tokenizer, batch_size=a.n)
-            torch.manual_seed(a.seed)
-            timed = TimedSampler(sampler)
-            start = time.perf_counter()
-            trajs = rollout(problems, timed, tool, tokenizer, fmt, a.max_response_tokens, a.max_turns,
-                            temperature=1.0, sync_turns=sync_turns)
-            wall = time.perf_counter() - start
-            lengths = [sum(t.loss_mask) for t in trajs]
-            # mean context length under each sampled token (attention cost per token grows with it)
-            context = sum(len(t.prompt_ids) + i for t in trajs for i, m in enumerate(t.loss_mask) if m) / sum(lengths)
-            twin_context = sum(len(p) + i for p, n in zip(prompts, lengths) for i in range(n)) / sum(lengths)
-            tool_text = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs)
-            # Its plain twins: the same prompts and the same number of sampled tokens per sequence, one turn, no tools.
-            start = time.perf_counter()
-            no_stop.generate(prompts, lengths, temperature=1.0)
-            twin = time.perf_counter() - start
-            generate = plain_generate(model, tokenizer, prompts, lengths)
-            rows.append(("  twin: HFSampler, no tools", sum(lengths), twin, twin, None, None, twin_context, 0))
-            rows.append(("  twin: model.generate", sum(lengths), generate, generate, None, None, twin_context, 0))
-            rows.append(("agentic, " + ("turn by turn" if sync_turns else "continuous"), sum(lengths), wall,
-                         timed.seconds,
-                         means(rollout_sums(trajs, [0.0] * len(trajs))),
-                         (sum(lengths) / twin, sum(lengths) / generate), context, tool_text))
+        for r in range(a.rounds):
+            rounds.append({mode: measure(model, tokenizer, fmt, tool, problems, prompts, a, mode == "turn by turn")
+                           for mode in ("continuous", "turn by turn")})
         workers, sandbox = tool.workers, tool.sandbox
     print(f"\nN={a.n}, torch threads={a.threads}, tool workers={workers}, sandbox={sandbox}, "
-          f"budget={a.max_response_tokens}, max_turns={a.max_turns}")
+          f"budget={a.max_response_tokens}, max_turns={a.max_turns}; round 1 of {a.rounds}:")
     print("ratio = agentic tok/s / the tok/s of its twin above it: HFSampler with no tools | transformers generate")
     print("ctx = mean context length under a sampled token; read = tool-response tokens read (prefill only)")
     print(f"{'mode':<30}{'sampled':>8}{'read':>6}{'ctx':>5}{'wall s':>8}{'gen s':>7}{'tok/s':>7}{'ratio':>12}"
           f"{'turns':>7}{'calls':>7}{'fail %':>7}{'trunc %':>8}")
-    for name, sampled, wall, gen, stats, base, ctx, read in rows:
-        line = f"{name:<30}{sampled:>8}{read:>6}{ctx:>5.0f}{wall:>8.2f}{gen:>7.2f}{sampled / wall:>7.0f}"
-        if stats is not None:
-            ratios = f"{sampled / wall / base[0]:.2f} | {sampled / wall / base[1]:.2f}"
-            line += (f"{ratios:>12}{stats['turns_mean']:>7.2f}{stats['tool_calls_mean']:>7.2f}"
-                     f"{100 * stats['tool_error_rate']:>7.1f}{100 * stats['truncated_frac']:>8.1f}")
-        print(line)
+    for mode, rows in rounds[0].items():
+        for name, row in rows.items():
+            label = f"agentic, {mode}" if name == "agentic" else f"  twin: {name}"
+            line = (f"{label:<30}{row['sampled']:>8}{row['read']:>6}{row['ctx']:>5.0f}{row['wall']:>8.2f}"
+                    f"{row['gen']:>7.2f}{row['sampled'] / row['wall']:>7.0f}")
+            if name == "agentic":
+                ratios = f"{ratio(row, rows['HFSampler, no tools']):.2f} | {ratio(row, rows['model.generate']):.2f}"
+                stats = row["stats"]
+                line += (f"{ratios:>12}{stats['turns_mean']:>7.2f}{stats['tool_calls_mean']:>7.2f}"
+                         f"{100 * stats['tool_error_rate']:>7.1f}{100 * stats['truncated_frac']:>8.1f}")
+            print(line)
+    print(f"\nmedian over {a.rounds} rounds (range): agentic tok/s / twin tok/s, by wall clock and by the CPU "
+          "seconds of this process")
+    for mode in ("continuous", "turn by turn"):
+        for twin in ("HFSampler, no tools", "model.generate"):
+            for clock in ("wall", "cpu"):
+                values = [ratio(rd[mode]["agentic"], rd[mode][twin], clock) for rd in rounds]
+                print(f"  {mode:<13} / {twin:<20} {clock:<4} {statistics.median(values):.2f} "
+                      f"({min(values):.2f}-{max(values):.2f})")
+    print("\nwhere the seconds go, continuous agentic rollout against its HFSampler twin (round 1):")
+    print(f"{'':<12}{'part':<10}{'s':>7}{'forwards':>10}{'token rows':>12}{'attn cells':>12}")
+    for name in ("agentic", "HFSampler, no tools"):
+        row = rounds[0]["continuous"][name]
+        for part, p in row["parts"].items():
+            print(f"{name[:11]:<12}{part:<10}{p['s']:>7.2f}{p['forwards']:>10}{p['token_rows']:>12,}{p['cells']:>12,}")
+        print(f"{name[:11]:<12}{'outside':<10}{row['wall'] - row['gen']:>7.2f}   (tool waits, bookkeeping)")
 
+
+def ratio(agentic: dict, twin: dict, clock: str = "wall") -> float:
+    """Sampled tokens per second of the agentic rollout over its twin's (the same tokens, so a time ratio)."""
+    return twin[clock] / agentic[clock]
+
+
+def measure(model, tokenizer, fmt, tool, problems, prompts, a, sync_turns: bool) -> dict:
+    """One agentic rollout and its two plain twins (the same prompts, per sequence as many sampled tokens as the
+    rollout sampled in all its turns, one turn, no tools): {name: wall, cpu (this process), gen, ...}."""
+    sampler = HFSampler(model, tokenizer, batch_size=a.n)
+    probe = Probe(sampler)
+    torch.manual_seed(a.seed)
+    start, cpu = time.perf_counter(), time.process_time()
+    trajs = rollout(problems, probe, tool, tokenizer, fmt, a.max_response_tokens, a.max_turns, temperature=1.0,
+                    sync_turns=sync_turns)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    lengths = [sum(t.loss_mask) for t in trajs]
+    # mean context length under each sampled token (attention cost per token grows with it)
+    context = sum(len(t.prompt_ids) + i for t in trajs for i, m in enumerate(t.loss_mask) if m) / sum(lengths)
+    twin_context = sum(len(p) + i for p, n in zip(prompts, lengths) for i in range(n)) / sum(lengths)
+    out = {"agentic": {"sampled": sum(lengths), "read": sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs),
+                       "ctx": context, "wall": wall, "cpu": cpu, "gen": probe.seconds, "parts": probe.parts,
+                       "stats": means(rollout_sums(trajs, [0.0] * len(trajs)))}}
+    twin = Probe(HFSampler(model, tokenizer, batch_size=a.n, stop_ids=[]))  # runs each budget out exactly
+    start, cpu = time.perf_counter(), time.process_time()
+    generate_all(twin, prompts, lengths, temperature=1.0)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    out["HFSampler, no tools"] = {"sampled": sum(lengths), "read": 0, "ctx": twin_context, "wall": wall, "cpu": cpu,
+                                  "gen": twin.seconds, "parts": twin.parts}
+    start, cpu = time.perf_counter(), time.process_time()
+    seconds = plain_generate(model, tokenizer, prompts, lengths)
+    out["model.generate"] = {"sampled": sum(lengths), "read": 0, "ctx": twin_context, "wall": seconds,
+                             "cpu": time.process_time() - cpu, "gen": seconds}
+    return out
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_sampler import HFSampler
+from hf_sampler import PREFILL_FORWARD_COST, HFSampler, prefill_groups
 from protocol import IM_END
 from sampler import VLLMSampler, model_checksum
 from tiny_model import build_tiny
@@ -148,6 +148,30 @@ def test_hf_sampler_reads_a_repeated_prompt_once(tiny, monkeypatch):
     assert len({tuple(c.token_ids) for c in out}) == 6  # the copies sample independently
     for p, c in zip(prompts, out):
         assert torch.allclose(torch.tensor(c.logprobs), fresh_logprobs(model, p, c, 1.5), atol=1e-4)
+
+
+@pytest.mark.parametrize("widths, cost, ends", [
+    ([1, 1, 1, 100], 10, [3, 4]),      # 3 + 10 + 100 + 10 = 123 < 4 * 100 + 10
+    ([5, 5, 6, 6], 64, [4]),           # padding 2 token rows is cheaper than a second forward
+    ([1, 1, 2], 0, [2, 3]),            # forwards are free: one per width
+    ([7], 64, [1]),
+])
+def test_prefill_groups(widths, cost, ends):
+    assert prefill_groups(widths, cost) == ends
+
+
+def test_hf_sampler_reads_short_and_long_new_tokens_in_separate_forwards(tiny, monkeypatch):
+    """Admitted together, a 1-token prompt and a long one are read in two forwards (padding the short row to the
+    long one would cost more than a forward); both sample correctly."""
+    _, tok, model = tiny
+    sampler = HFSampler(model, tok, batch_size=4, stop_ids=[])
+    shapes = spy_forward(model, monkeypatch)
+    prompts = prompts_of(tok, ["a", "b" * (2 * PREFILL_FORWARD_COST)])
+    torch.manual_seed(6)
+    out = sampler.generate(prompts, [6, 6], temperature=1.0)
+    assert shapes[:3] == [(1, 1), (1, len(prompts[1])), (2, 1)]
+    for p, c in zip(prompts, out):
+        assert torch.allclose(torch.tensor(c.logprobs), fresh_logprobs(model, p, c), atol=1e-4)
 
 
 def test_hf_sampler_admits_requests_while_others_decode(tiny):
