@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,38 +47,48 @@ class Commands:
     it started, for the time table."""
 
     def __init__(self):
-        self.start, self.phases, self.background = time.perf_counter(), {}, []
+        self.start, self.phases, self.background, self.failures = time.perf_counter(), {}, [], []
 
     def run(self, name: str, cmd: list[str]) -> None:
         print("\n$ " + " ".join(cmd), flush=True)
-        self._wait(name, cmd, subprocess.Popen([sys.executable] + cmd), None)
+        failure = self._wait(name, cmd, subprocess.Popen([sys.executable] + cmd), None, time.perf_counter())
+        if failure:
+            raise SystemExit(failure)
 
     def start_beside(self, name: str, cmd: list[str], log: Path) -> None:
         """Start `cmd` now and go on; its output goes to `log`. `join` waits for it."""
         print(f"\n$ {' '.join(cmd)}   (beside the next step; output in {log})", flush=True)
         log.parent.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
         with log.open("w") as f:
             proc = subprocess.Popen([sys.executable] + cmd, stdout=f, stderr=subprocess.STDOUT)
-        self.background.append((name, cmd, proc, log, time.perf_counter()))
+        # A thread waits for it, so its wall time ends when it does, not when the next step does.
+        waiter = threading.Thread(target=lambda: self.failures.append(self._wait(name, cmd, proc, log, started)))
+        waiter.start()
+        self.background.append(waiter)
 
     def join(self) -> None:
-        for name, cmd, proc, log, started in self.background:
-            self._wait(name, cmd, proc, log, started)
+        for waiter in self.background:
+            waiter.join()
         self.background = []
+        failures, self.failures = [f for f in self.failures if f], []
+        if failures:
+            raise SystemExit("\n".join(failures))
 
-    def _wait(self, name, cmd, proc, log, started=None) -> None:
-        started = time.perf_counter() if started is None else started
+    def _wait(self, name, cmd, proc, log, started) -> str | None:
+        """Wait for `proc`, record its phase; the failure message, or None."""
         if hasattr(os, "wait4"):  # the CPU time of exactly this process and those it waited for
             _, status, usage = os.wait4(proc.pid, 0)
             proc.returncode, cpu = os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
         else:
             proc.wait()
             cpu = None
-        if proc.returncode != 0:
-            tail = "".join(log.read_text().splitlines(keepends=True)[-30:]) if log else ""
-            raise SystemExit(f"{tail}\ncommand failed (exit {proc.returncode}): {' '.join(cmd)}")
         self.phases[name] = {"wall_s": time.perf_counter() - started, "cpu_s": cpu,
                              "start_s": started - self.start, "beside_next": log is not None}
+        if proc.returncode == 0:
+            return None
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:]) if log else ""
+        return f"{tail}\ncommand failed (exit {proc.returncode}): {' '.join(cmd)}"
 
 
 def eval_command(root: Path, name: str, quick: bool) -> list[str]:
@@ -154,6 +165,7 @@ def phase_parts(root: Path, name: str) -> dict:
 def time_table(root: Path, phases: dict, wall: float) -> tuple[dict, str]:
     """phases with their parts and start-up added, and the table printed at the end."""
     lines = [f"{'command':<16}{'wall s':>7}{'CPU s':>7}  inside (wall s)"]
+    phases = dict(sorted(phases.items(), key=lambda item: item[1]["start_s"]))
     for name, p in phases.items():
         p["parts"] = {k: round(v, 1) for k, v in phase_parts(root, name).items()}
         if p["parts"]:
@@ -164,8 +176,10 @@ def time_table(root: Path, phases: dict, wall: float) -> tuple[dict, str]:
         inside = ", ".join(f"{k} {v:.0f}" for k, v in p["parts"].items())
         lines.append(f"{name:<16}{p['wall_s']:>7.0f}{cpu:>7}  {inside}" + ("  (beside the next stage)"
                                                                              if p["beside_next"] else ""))
-    lines.append(f"{'all':<16}{wall:>7.0f}{'':>7}  the sum of the rows is larger: evaluations ran beside training"
-                 if any(p["beside_next"] for p in phases.values()) else f"{'all':<16}{wall:>7.0f}")
+    startups = sum(p["parts"].get("startup_and_save", 0.0) for p in phases.values() if not p["beside_next"])
+    lines.append(f"{'all':<16}{wall:>7.0f}{'':>7}  start-ups and saving outside the evaluations beside training: "
+                 f"{startups:.0f} s" + ("; the rows add up to more: evaluations ran beside training"
+                                          if any(p["beside_next"] for p in phases.values()) else ""))
     return phases, "\n".join(lines)
 
 
