@@ -54,7 +54,7 @@ import cpu_threads
 from config import format_config, parse_cli, save_config
 from data import check_model_path, load_problems, write_jsonl
 from protocol import DEFAULT_USER_INSTRUCTION, IM_END, chat_format, parse_tool_call
-from reward import check_many, extract_answer, is_equivalent
+from reward import check_many, default_pool, extract_answer, is_equivalent
 from rollout import rollout
 
 # Benchmark names -> the copies shipped in data/ (sources, licences and checks: data/SOURCES.md).
@@ -315,6 +315,7 @@ def run(cfg: EvalConfig) -> dict:
     fmt = chat_format(cfg.system_prompt, cfg.user_instruction)
     results, missed, k = {}, [], cfg.samples
     traj_file = out / "trajectories.jsonl"
+    default_pool().start()  # the answer checkers import sympy while the first rollouts run, not after them
     with CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
                   max_output_chars=cfg.tool_max_output_chars) as tool, traj_file.open("w", encoding="utf-8") as f:
         for name, problems in benches:

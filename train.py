@@ -50,7 +50,7 @@ from plots import plot_curves
 from grpo_roc import (drop_equal_groups, group_advantages, penalty_total, policy_loss, resample_on_correct,
                       sequence_mean_policy_loss)
 from protocol import chat_format
-from reward import check_many, extract_answer
+from reward import check_many, default_pool, extract_answer
 from rollout import rollout, rollout_sums
 from sampler import VLLMSampler, model_checksum
 
@@ -499,6 +499,7 @@ def setup(cfg: TrainConfig):
     sampler = make_sampler(cfg, acc.unwrap_model(model), tokenizer)
     tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
                     max_output_chars=cfg.tool_max_output_chars)
+    default_pool().start()  # the answer checkers import sympy while the first rollout runs, not after it
     return step, Run(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                      tool=tool, tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems,
                      pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out)

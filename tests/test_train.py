@@ -164,6 +164,21 @@ def test_train_entry_point_learns_on_scripted_rollouts(tiny, tmp_path, monkeypat
     assert (out / "config.yaml").is_file() and (out / "curves.png").stat().st_size > 1000
 
 
+def test_answer_checkers_start_before_the_first_rollout(tiny, tmp_path, monkeypatch):
+    """The reward's worker processes import sympy while the first rollout runs (they used to start at the first
+    check after it, and the step waited for them)."""
+    events, real_rollout = [], train.rollout
+
+    class Pool:
+        def start(self):
+            events.append("checkers started")
+    monkeypatch.setattr(train, "default_pool", lambda: Pool())
+    monkeypatch.setattr(train, "rollout", lambda *a, **kw: events.append("rollout") or real_rollout(*a, **kw))
+    monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: ScriptedSampler(model, tok))
+    train.main(args(tiny, tmp_path / "run", "steps=1"))
+    assert events[:2] == ["checkers started", "rollout"]
+
+
 def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: ScriptedSampler(model, tok))
     out = tmp_path / "run"
