@@ -85,7 +85,7 @@ class EvalConfig:
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
     limit: int = 0                        # first N problems of each benchmark (0: all), for quick runs
     seed: int = 0
-    torch_threads: int = 0                # torch CPU threads; 0: one fewer than the cores (cpu_threads.py)
+    torch_threads: int = 0                # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
     unsolved_out: str | None = None       # write problems solved < k of k times here (stage-3 data, report sec. 6)
     # --- code tool (report section 5; public code: 4 s, 1,000 chars)
     tool_workers: int = 4

@@ -89,7 +89,7 @@ class SFTConfig:
     save_every: int = 0  # optimizer steps between checkpoints (0: none); a multiple of log_every
     keep_checkpoints: int = 2  # newest checkpoints kept in out_dir
     resume: str = "auto"  # "auto": continue from out_dir's latest checkpoint; "never"; or a checkpoint folder
-    torch_threads: int = 0  # torch CPU threads; 0: one fewer than the cores (cpu_threads.py)
+    torch_threads: int = 0  # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
 
 
 # ----------------------------------------------------------------------------------- data (pure)

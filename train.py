@@ -122,7 +122,7 @@ class TrainConfig:
     save_every: int = 50
     keep_checkpoints: int = 2
     report_to: str | None = None          # tensorboard | wandb (Accelerate trackers)
-    torch_threads: int = 0                # torch CPU threads; 0: one fewer than the cores (cpu_threads.py)
+    torch_threads: int = 0                # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
 
 
 # ============================================================================ plain helpers (no rank logic here)

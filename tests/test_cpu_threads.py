@@ -3,27 +3,30 @@ torch loads in every entry point, and a user's own environment left alone."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from cpu_threads import resolve_threads
+from cpu_threads import busy_cores, resolve_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("requested, cores, local, env, expected", [
-    (1, 16, 1, None, 1),    # an explicit count is used as given
-    (3, 2, 1, 8, 3),        # ... even over OMP_NUM_THREADS
-    (0, 2, 1, None, 1),     # automatic: one fewer than the cores
-    (0, 16, 1, None, 15),
-    (0, 1, 1, None, 1),     # but at least one
-    (0, 16, 4, None, 3),    # split among the processes a launcher started on this machine
-    (0, 16, 32, None, 1),
-    (0, 16, 1, 4, 4),       # OMP_NUM_THREADS is the user's choice
+@pytest.mark.parametrize("requested, cores, local, env, busy, expected", [
+    (1, 16, 1, None, 0.0, 1),    # an explicit count is used as given
+    (3, 2, 1, 8, 2.0, 3),        # ... even over OMP_NUM_THREADS and busy cores
+    (0, 2, 1, None, 0.0, 2),     # automatic: the free cores
+    (0, 2, 1, None, 0.9, 1),     # one of two busy
+    (0, 2, 1, None, 0.4, 2),     # a core busy less than half the time still counts as free
+    (0, 2, 1, None, 2.0, 1),     # at least one
+    (0, 16, 1, None, 3.2, 13),
+    (0, 16, 4, None, 0.0, 4),    # split among the processes a launcher started on this machine
+    (0, 16, 32, None, 0.0, 1),
+    (0, 16, 1, 4, 0.0, 4),       # OMP_NUM_THREADS is the user's choice
 ])
-def test_resolve_threads(requested, cores, local, env, expected):
-    assert resolve_threads(requested, cores, local, env) == expected
+def test_resolve_threads(requested, cores, local, env, busy, expected):
+    assert resolve_threads(requested, cores, local, env, busy) == expected
 
 
 def test_resolve_threads_refuses_a_negative_count():
@@ -65,6 +68,17 @@ def test_a_wait_policy_in_the_environment_is_left_alone():
     code = "import os, cpu_threads; print(os.environ.get('OMP_WAIT_POLICY'))"
     assert run_python(code, GOMP_SPINCOUNT="10000") == "None"
     assert run_python(code, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+
+
+def test_busy_cores_sees_a_busy_loop():
+    """A loop pinned to core 0 keeps that core busy; busy_cores counts it (other programs may add to it)."""
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.sched_setaffinity(0, {0}))
+    try:
+        time.sleep(0.5)  # started and spinning
+        assert busy_cores({0}, 0.5) >= 0.8
+    finally:
+        loop.kill()
+        loop.wait()
 
 
 def test_set_torch_threads_applies_the_policy():
