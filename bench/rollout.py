@@ -1,8 +1,8 @@
 """Throughput of multi-turn agentic rollouts (with real tool calls) against plain generation, side by side.
 
-    .venv/bin/python bench/rollout.py [--n 32 --threads 1 --sft-steps 150 --model-dir DIR ]
+    .venv/bin/python bench/rollout.py [--n 32 --threads 1 --sft-steps 150 --model-dir DIR --rounds 3]
 
-What is compared, on the same tiny model and the same N prompts, in one run:
+What is compared, on the same tiny model and the same N prompts, in each round:
 - agentic: `rollout.rollout` with HFSampler (continuous batching) and the real CodeTool: several turns per rollout,
            each tool call dispatched as its turn ends, the conversation rejoining the batch when the result is back
            (only the tool response is read; earlier turns' keys and values are reused). Run once continuous and once
@@ -10,11 +10,15 @@ What is compared, on the same tiny model and the same N prompts, in one run:
 - its plain twins, the same prompts and per sequence exactly as many sampled tokens as its rollout sampled in all
   its turns, one turn, no tools, no stop token:
     * HFSampler, no tools: the same decode loop (the strict comparison: only the agentic work differs);
-    * model.generate: transformers' own batched `generate` with the KV cache (the issue's "plain generate").
-  ratio = agentic sampled tokens/s / twin tokens/s, for each twin (target >= 0.8).
-Throughput = tokens the policy sampled / wall-clock seconds (tool text is read, not sampled, so it only costs).
-"gen s" is the time spent inside `sampler.step`; the rest of "wall s" is waiting for tools and bookkeeping.
-"ctx" (mean context under a sampled token) and "read" (tool-response tokens) show the work the twins do not have.
+    * model.generate: transformers' own batched `generate` with the KV cache.
+  ratio = agentic sampled tokens/s / twin tokens/s, for each twin.
+Throughput = tokens the policy sampled / seconds (tool text is read, not sampled, so it only costs). The ratios are
+given by wall clock and by this process's CPU seconds (the tool's processes excluded), median and range over
+`--rounds` rounds: on a shared machine the CPU ratio is the steadier one. "gen s" is the time inside
+`sampler.step`; the rest of "wall s" is waiting for tools and bookkeeping. "ctx" (mean context under a sampled
+token) and "read" (tool-response tokens) show the work the twins do not have, and the last table says where the
+sampler's seconds go: prefill (reading prompts and tool responses) and decode forwards, the token rows each
+computes (rows x new tokens, padding included) and the attention cells (token rows x attended columns).
 
 How the random tiny model is made to call the tool, honestly: it is first fine-tuned for a few steps (`--sft-steps`)
 on scripted conversations (problem "Compute a*b.", a call `print(a*b)`, the real tool output, a check call, the
@@ -22,16 +26,7 @@ answer) with loss on the assistant tokens only. Rollouts then SAMPLE from that m
 is forced, so some calls are malformed or wrong, as in real RL. The numbers it copies are usually wrong; that does
 not matter for throughput.
 
-torch threads: on 2 cores, two OpenMP threads slow down badly (tens of times, measured) whenever anything else
-runs at once, such as the tool's worker processes; `--threads 1` (default) leaves the second core to the tool.
-
-Measured (2026-11-30, idle 2-core box, N=32, budget 512, 4 turns, 1 thread; median and range of 3 runs):
-continuous agentic 1,326 sampled tok/s = 1.44x (1.27-1.46) transformers `generate` on the same tokens (target 0.8x:
-met) and 0.64x (0.56-0.70) our own decode loop without tools; turn by turn 1.28x (1.09-1.60) and 0.51x (0.46-0.56).
-Tool waits are about 0.05 s of 5 s: the tool is hidden. The strict gap is the agentic work itself: the rollouts read
-5,544 tool-response tokens next to 6,916 sampled ones (most calls of this barely trained model fail, and a
-traceback is long) and sample under 31% longer contexts (328 vs 251 tokens; attention is ~40% of a decode step
-here). Before this loop (same bench, `generate` per turn, every turn re-reading its history): 0.49x.
+torch threads: `--threads 1` (default) leaves the second core to the tool's workers (cpu_threads.py).
 """
 import argparse
 import random
