@@ -53,15 +53,17 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cpu_threads
 from checkpoint import atomic_write_text, config_changes, filter_jsonl, read_jsonl_rows, run_identity
 from config import check_ranges, format_config, parse_cli, save_config
 from data import check_model_path, load_problems, write_jsonl
 from protocol import DEFAULT_USER_INSTRUCTION, IM_END, chat_format, parse_tool_call
 from report import write_report
-from reward import check_many, extract_answer, is_equivalent
+from reward import check_many, default_pool, extract_answer, is_equivalent
 from rollout import rollout
 
 # Benchmark names -> the copies shipped in data/ (sources, licences and checks: data/SOURCES.md).
@@ -92,6 +94,7 @@ class EvalConfig:
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
     limit: int = 0                        # first N problems of each benchmark (0: all), for quick runs
     seed: int = 0
+    torch_threads: int = 0                # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
     unsolved_out: str | None = None       # write problems solved < k of k times here (stage-3 data, report sec. 6)
     overwrite: bool = False               # replace an evaluation of another config or model found in out_dir
     # --- code tool (report §3; public code: 4 s, 1,000 chars)
@@ -113,7 +116,7 @@ RANGES = {
     "samples": ">= 1", "temperature": ">= 0", "top_p": "> 0 and <= 1", "max_response_tokens": ">= 1",
     "max_turns": ">= 1", "batch_size": ">= 1", "limit": ">= 0", "seed": ">= 0 and <= 4294967295",
     "tool_workers": ">= 0", "tool_timeout": "> 0", "tool_memory_mb": ">= 1", "tool_max_output_chars": ">= 1",
-    "vllm_tensor_parallel_size": ">= 1", "vllm_gpu_memory_utilization": "> 0 and <= 1",
+    "vllm_tensor_parallel_size": ">= 1", "vllm_gpu_memory_utilization": "> 0 and <= 1", "torch_threads": ">= 0",
 }
 
 
@@ -129,8 +132,8 @@ def check_config(cfg: EvalConfig) -> None:
 
 
 # Keys that may differ from the evaluation already in out_dir when continuing or re-reading it: they change no sample.
-CONTINUE_FREE = {"out_dir", "overwrite", "unsolved_out", "tool_workers", "tool_backend", "tool_require_isolation",
-                 "vllm_gpu_memory_utilization"}
+CONTINUE_FREE = {"out_dir", "overwrite", "unsolved_out", "torch_threads", "tool_workers", "tool_backend",
+                 "tool_require_isolation", "vllm_gpu_memory_utilization"}
 
 
 # ============================================================================ metrics (pure)
@@ -413,18 +416,22 @@ def run(cfg: EvalConfig) -> dict:
     if len(todo) < len(benches):
         print(f"kept from the earlier run in {out}: {', '.join(results)} (overwrite=true evaluates them again)")
     if todo:
+        print(f"{cpu_threads.set_torch_threads(cfg.torch_threads)} torch thread(s)")
         sampler, tokenizer = load_model(cfg)
         fmt = chat_format(cfg.system_prompt, cfg.user_instruction)
         tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
                         max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
                         require_isolation=cfg.tool_require_isolation)
+        default_pool().start()  # the answer checkers import sympy while the first rollouts run, not after them
         with tool, traj_file.open("a", encoding="utf-8") as f:
             for name, problems in todo:
                 print(f"{name}: {len(problems)} problems x {k} samples")
                 set_seed(cfg.seed)  # each benchmark's samples do not depend on which benchmarks ran before it
+                start = time.perf_counter()
                 metrics, trajs = evaluate(problems, sampler, tool, tokenizer, fmt, k, cfg.max_response_tokens,
                                           cfg.max_turns, cfg.temperature, cfg.top_p, cfg.batch_size,
                                           cfg.sync_turns, progress=True)
+                metrics["seconds"] = time.perf_counter() - start  # rollouts and scoring (wall clock)
                 for i, traj in enumerate(trajs):  # on disk before results.json names the benchmark
                     record = trajectory_record(name, problems[i // k], i // k, i % k, traj)
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")

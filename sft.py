@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cpu_threads  # noqa: F401  (first: it sets OpenMP's wait policy, which is read when torch loads)
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, PartialState
@@ -92,11 +93,14 @@ class SFTConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept in out_dir
     resume: str = "auto"  # "auto": continue from out_dir's latest checkpoint; "never"; or a checkpoint folder
     resume_allow_changes: list[str] = field(default_factory=list)  # config keys that may differ from the checkpoint's
+    torch_threads: int = 0  # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
+
 
 # Keys that may differ from the checkpoint's config on resume without `resume_allow_changes`: they change neither the
 # weights nor the logged numbers (trackers, checkpoint cadence). log_every is not free: it sets which steps' losses
 # each metrics line averages.
-RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "report_to", "save_every", "keep_checkpoints"}
+RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "report_to", "save_every", "keep_checkpoints",
+               "torch_threads"}
 
 
 # Allowed values of the numeric fields (config.check_ranges), checked by `check_inputs` before any work.
@@ -104,7 +108,7 @@ RANGES = {
     "epochs": ">= 1", "lr": "> 0", "warmup_ratio": ">= 0 and <= 1", "batch_size": ">= 1", "micro_batch_size": ">= 1",
     "max_seq_len": ">= 2", "weight_decay": ">= 0", "adam_beta1": ">= 0 and < 1", "adam_beta2": ">= 0 and < 1",
     "grad_clip": "> 0", "seed": ">= 0 and <= 4294967295", "log_every": ">= 1", "max_steps": ">= 1",
-    "save_every": ">= 0", "keep_checkpoints": ">= 1",
+    "save_every": ">= 0", "keep_checkpoints": ">= 1", "torch_threads": ">= 0",
 }
 
 
@@ -282,6 +286,7 @@ def train(cfg: SFTConfig) -> Path:
     checkpoint = resume_point(cfg, out, identity, RESUME_FREE)
     acc, grad_accum = make_accelerator(cfg)
     acc.print(format_config(cfg))
+    acc.print(f"sft: {cpu_threads.set_torch_threads(cfg.torch_threads)} torch thread(s)")
     set_seed(cfg.seed)
     metrics_path = out / "metrics.jsonl"
     if acc.is_main_process:
@@ -365,7 +370,8 @@ def train(cfg: SFTConfig) -> Path:
                 all_tokens = acc.reduce(torch.tensor(tokens, device=acc.device), reduction="sum").item()
                 row = {"step": step, "sft/loss": mean_loss, "sft/lr": scheduler.get_last_lr()[0],
                        "sft/epoch": step / steps_per_epoch,
-                       "perf/tokens_per_s": all_tokens / (time.perf_counter() - t0)}
+                       "perf/tokens_per_s": all_tokens / (time.perf_counter() - t0),
+                       "perf/seconds": time.perf_counter() - t0}
                 log_step(acc, metrics_path, row, bar)
                 losses, tokens, t0 = [], 0, time.perf_counter()
             if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:

@@ -18,6 +18,15 @@ three; otherwise it runs again: in place when it was merely interrupted (train.p
 checkpoint, eval.py keeps its finished benchmarks), and from scratch when anything differs (`--quick` then a full
 run, an edited config, a redone upstream step), its old folder kept as NAME.previous. `--fresh` deletes the run
 folder first.
+
+Every command runs with one torch thread (the tiny configs' `torch_threads: 1`), so the evaluation of a stage's
+model runs beside the next stage's training (its output goes to runs/tiny/eval_<stage>.log), on the other core.
+At the end a table says where the time went, written to summary.json as `phases`: per command its wall-clock and
+CPU seconds (its processes and the tool's, from the operating system's accounting: on a busy machine the CPU
+column is the steadier one), and inside each the parts the entry points log: SFT's training loop, each stage's
+rollout / update / held-out evaluation seconds (metrics.jsonl), each evaluation's rollouts (results.json); the
+rest of a command's wall time is its start-up (imports, model, tool workers) and its saving.
+
 """
 import argparse
 import hashlib
@@ -26,6 +35,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,9 +72,12 @@ def _configs(cmd: list[str]) -> dict:
     return digests
 
 
-def step(out: Path, cmd: list[str], after: list[Path] = ()) -> Path:
+def step(out: Path, cmd: list[str], after: list[Path] = (), commands: "Commands | None" = None,
+         beside: bool = False) -> Path:
     """Run `python cmd...`, whose outputs go to the folder `out`, unless `out/step.json` says it finished with the
-    same command, configs and upstream markers (`after`). Returns that marker, for the steps that depend on it."""
+    same command, configs and upstream markers (`after`). Returns that marker, for the steps that depend on it.
+    With `commands`, the command is timed there, under the folder's name; `beside`: started beside the next step
+    (its marker is finished when it is, and `commands.join()` waits for it)."""
     marker = out / "step.json"
     record = {"command": cmd, "configs": _configs(cmd), "after": {str(m): _sha256(m) for m in after}}
     saved = json.loads(marker.read_text()) if marker.is_file() else None
@@ -76,9 +89,17 @@ def step(out: Path, cmd: list[str], after: list[Path] = ()) -> Path:
         os.replace(out, out.with_name(out.name + ".previous"))
     out.mkdir(parents=True, exist_ok=True)
     _write(marker, {"record": record, "finished": None})
-    print("\n$ " + " ".join(cmd), flush=True)
-    subprocess.run([sys.executable] + cmd, check=True)
-    _write(marker, {"record": record, "finished": time.time()})  # the time: a redone step has a new marker hash
+
+    def finished():  # the time: a redone step has a new marker hash
+        _write(marker, {"record": record, "finished": time.time()})
+    if commands is None:
+        print("\n$ " + " ".join(cmd), flush=True)
+        subprocess.run([sys.executable] + cmd, check=True)
+        finished()
+    elif beside:
+        commands.start_beside(out.name, cmd, out.with_name(out.name + ".log"), finished)
+    else:
+        commands.run(out.name, cmd, finished)
     return marker
 
 
@@ -88,31 +109,90 @@ def _write(path: Path, obj) -> None:
     os.replace(path.with_suffix(".tmp"), path)
 
 
-def evaluate(root: Path, name: str, model: Path, quick: bool, engine: list[str] = ()) -> dict:
-    """eval.py on the held-out split for one stage's model (`model`: that step's marker); returns its metrics.
+class Commands:
+    """Runs the pipeline's commands, in the foreground or beside the next one, and records for each its wall-clock
+    seconds, its CPU seconds (the process and every process it waited for: tool workers, reward checks) and when
+    it started, for the time table."""
+
+    def __init__(self):
+        self.start, self.phases, self.background, self.failures = time.perf_counter(), {}, [], []
+
+    def run(self, name: str, cmd: list[str], on_success=lambda: None) -> None:
+        print("\n$ " + " ".join(cmd), flush=True)
+        failure = self._wait(name, cmd, subprocess.Popen([sys.executable] + cmd), None, time.perf_counter(),
+                             on_success)
+        if failure:
+            raise SystemExit(failure)
+
+    def start_beside(self, name: str, cmd: list[str], log: Path, on_success=lambda: None) -> None:
+        """Start `cmd` now and go on; its output goes to `log`. `join` waits for it."""
+        print(f"\n$ {' '.join(cmd)}   (beside the next step; output in {log})", flush=True)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        with log.open("w") as f:
+            proc = subprocess.Popen([sys.executable] + cmd, stdout=f, stderr=subprocess.STDOUT)
+        # A thread waits for it, so its wall time ends when it does, not when the next step does.
+        waiter = threading.Thread(target=lambda: self.failures.append(self._wait(name, cmd, proc, log, started,
+                                                                                 on_success)))
+        waiter.start()
+        self.background.append(waiter)
+
+    def join(self) -> None:
+        for waiter in self.background:
+            waiter.join()
+        self.background = []
+        failures, self.failures = [f for f in self.failures if f], []
+        if failures:
+            raise SystemExit("\n".join(failures))
+
+    def _wait(self, name, cmd, proc, log, started, on_success) -> str | None:
+        """Wait for `proc`, record its phase, call `on_success` if it succeeded; the failure message, or None."""
+        if hasattr(os, "wait4"):  # the CPU time of exactly this process and those it waited for
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode, cpu = os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
+        else:
+            proc.wait()
+            cpu = None
+        self.phases[name] = {"wall_s": time.perf_counter() - started, "cpu_s": cpu,
+                             "start_s": started - self.start, "beside_next": log is not None}
+        if proc.returncode == 0:
+            on_success()
+            return None
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:]) if log else ""
+        return f"{tail}\ncommand failed (exit {proc.returncode}): {' '.join(cmd)}"
+
+
+def evaluate(root: Path, name: str, model: Path, quick: bool, engine: list[str], commands: Commands,
+             beside: bool) -> None:
+    """eval.py on the held-out split for one stage's model (`model`: that step's marker); `eval_results` reads it.
     engine: overrides for every train.py and eval.py run (the tool's backend, the sampler)."""
     out = root / f"eval_{name}"
     step(out, ["eval.py", "configs/tiny/eval.yaml", f"model_path={root / name / 'model'}", f"out_dir={out}",
                f"benchmarks=[{root / 'data' / 'test.jsonl'}]", *engine] + (QUICK["eval"] if quick else []),
-         after=[model, root / "data" / "step.json"])
-    results = json.loads((out / "results.json").read_text())["benchmarks"]
-    return next(iter(results.values()))
+         after=[model, root / "data" / "step.json"], commands=commands, beside=beside)
 
 
-def pipeline(root: Path, quick: bool, backend: str = "auto", sampler: str = "hf") -> dict:
+def eval_results(root: Path, name: str) -> dict:
+    """The metrics of a stage's held-out evaluation (its results.json)."""
+    return next(iter(json.loads((root / f"eval_{name}" / "results.json").read_text())["benchmarks"].values()))
+
+
+def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto", sampler: str = "hf") -> dict:
     data = root / "data"
     engine = [f"tool_backend={backend}"] + (VLLM if sampler == "vllm" else [])
-    base = step(root / "base", ["tiny_model.py", str(root / "base")])
-    task = step(data, ["tiny_task.py", str(data), "--tool-backend", backend] + (QUICK["task"] if quick else []))
+    base = step(root / "base", ["tiny_model.py", str(root / "base")], commands=commands)
+    task = step(data, ["tiny_task.py", str(data), "--tool-backend", backend] + (QUICK["task"] if quick else []),
+                commands=commands)
     done = {"sft": step(root / "sft", ["sft.py", "configs/tiny/sft.yaml", f"model_path={root / 'base'}",
                                        f"data={data / 'sft.jsonl'}", f"out_dir={root / 'sft'}"]
-                        + (QUICK["sft"] if quick else []), after=[base, task])}
-    results = {"sft": evaluate(root, "sft", done["sft"], quick, engine)}
+                        + (QUICK["sft"] if quick else []), after=[base, task], commands=commands)}
     stage_data = {1: [data / "train_level1.jsonl"], 2: [data / "train_level1.jsonl", data / "train_level2.jsonl"],
                   3: [data / "stage3.jsonl"]}
     previous = "sft"
     for stage in (1, 2, 3):
         name = f"stage{stage}"
+        # The previous model's held-out evaluation runs beside this stage (one torch thread each).
+        evaluate(root, previous, done[previous], quick, engine, commands, beside=True)
         after = [done[previous], task]
         if stage == 3:
             # Stage 3's data: problems the stage-2 policy did not solve k of k times (report: 8 of 8).
@@ -120,17 +200,60 @@ def pipeline(root: Path, quick: bool, backend: str = "auto", sampler: str = "hf"
                 "eval.py", "configs/tiny/eval.yaml", f"model_path={root / 'stage2' / 'model'}",
                 f"out_dir={root / 'unsolved_stage2'}", f"benchmarks=[{data / 'train_level2.jsonl'}]",
                 "samples=4", "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}", *engine]
-                + (["limit=6", "samples=2"] if quick else ["limit=200"]), after=[done["stage2"], task]))
+                + (["limit=6", "samples=2"] if quick else ["limit=200"]), after=[done["stage2"], task],
+                commands=commands))
         # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report §4).
         extra = [f"optimizer_from={root / 'stage1'}"] if stage == 2 else []
-        # Held-out curves during stage 1 only; every stage's final model is evaluated below with eval.py.
+        # Held-out curves during stage 1 only; every stage's final model is evaluated with eval.py.
         evals = [f"eval_data={data / 'test.jsonl'}"] if stage == 1 else []
         cmd = ["train.py", f"configs/tiny/{name}.yaml", f"model_path={root / previous / 'model'}",
                "data=[" + ",".join(map(str, stage_data[stage])) + "]", f"out_dir={root / name}", *engine]
-        done[name] = step(root / name, cmd + evals + extra + (QUICK["train"] if quick else []), after=after)
-        results[name] = evaluate(root, name, done[name], quick, engine)
+        done[name] = step(root / name, cmd + evals + extra + (QUICK["train"] if quick else []), after=after,
+                          commands=commands)
+        commands.join()
         previous = name
-    return results
+    evaluate(root, "stage3", done["stage3"], quick, engine, commands, beside=False)
+    return {s: eval_results(root, s) for s in STAGES}
+
+
+def phase_parts(root: Path, name: str) -> dict:
+    """Seconds inside a command, from what its entry point logged; the rest of its wall time is start-up and
+    saving."""
+    def rows(path):
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    if name == "sft":
+        return {"training": sum(r.get("perf/seconds", 0.0) for r in rows(root / "sft" / "metrics.jsonl"))}
+    if name.startswith("stage"):
+        log = rows(root / name / "metrics.jsonl")
+        parts = {k: sum(r.get(f"perf/{k}_s", 0.0) for r in log) for k in ("rollout", "update", "eval")}
+        parts["reward_and_other"] = sum(r.get("perf/step_s", 0.0) for r in log) - parts["rollout"] - parts["update"]
+        return parts
+    if name.startswith("eval_") or name == "unsolved_stage2":
+        results = root / name / "results.json"
+        metrics = json.loads(results.read_text())["benchmarks"].values() if results.is_file() else []
+        return {"rollouts_and_scoring": sum(m.get("seconds", 0.0) for m in metrics)}
+    return {}
+
+
+def time_table(root: Path, phases: dict, wall: float) -> tuple[dict, str]:
+    """phases with their parts and start-up added, and the table printed at the end."""
+    lines = [f"{'command':<16}{'wall s':>7}{'CPU s':>7}  inside (wall s)"]
+    phases = dict(sorted(phases.items(), key=lambda item: item[1]["start_s"]))
+    for name, p in phases.items():
+        p["parts"] = {k: round(v, 1) for k, v in phase_parts(root, name).items()}
+        if p["parts"]:
+            p["parts"]["startup_and_save"] = round(p["wall_s"] - sum(p["parts"].values()), 1)
+        p["wall_s"], p["start_s"] = round(p["wall_s"], 1), round(p["start_s"], 1)
+        p["cpu_s"] = None if p["cpu_s"] is None else round(p["cpu_s"], 1)
+        cpu = "-" if p["cpu_s"] is None else f"{p['cpu_s']:.0f}"
+        inside = ", ".join(f"{k} {v:.0f}" for k, v in p["parts"].items())
+        lines.append(f"{name:<16}{p['wall_s']:>7.0f}{cpu:>7}  {inside}" + ("  (beside the next stage)"
+                                                                             if p["beside_next"] else ""))
+    startups = sum(p["parts"].get("startup_and_save", 0.0) for p in phases.values() if not p["beside_next"])
+    lines.append(f"{'all':<16}{wall:>7.0f}{'':>7}  start-ups and saving outside the evaluations beside training: "
+                 f"{startups:.0f} s" + ("; the rows add up to more: evaluations ran beside training"
+                                          if any(p["beside_next"] for p in phases.values()) else ""))
+    return phases, "\n".join(lines)
 
 
 def summarize(results: dict, wall: float) -> dict:
@@ -185,13 +308,17 @@ def main(argv=None) -> None:
     root = Path(args.root)
     if args.fresh:
         shutil.rmtree(root, ignore_errors=True)
-    start = time.time()
-    results = pipeline(root, args.quick, args.tool_backend, args.sampler)
-    summary = {**summarize(results, time.time() - start), "tool_sandbox": sandbox}
+    commands = Commands()
+    results = pipeline(root, args.quick, commands, args.tool_backend, args.sampler)
+    wall = time.perf_counter() - commands.start
+    summary = {**summarize(results, wall), "tool_sandbox": sandbox}
+    summary["phases"], times = time_table(root, commands.phases, wall)
     _write(root / "summary.json", summary)
     plot_stages(results, root / "summary.png")
     compare = write_compare(root / "eval_sft", root / "eval_stage3", root / "compare_sft_stage3.html")
     print("\n" + table(results))
+    print("\nwhere the time went (this run's commands; a step already done, by its step.json, is not listed)\n"
+          + times)
     print(f"\nsft -> stage3: {100 * summary['sft_accuracy']:.1f}% -> {100 * summary['stage3_accuracy']:.1f}% "
           f"({summary['gain_points']:+.1f} points) in {summary['wall_seconds']:.0f} s; wrote {root / 'summary.json'}, "
           f"{root / 'summary.png'} and {compare}")

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cpu_threads  # noqa: F401  (first: it sets OpenMP's wait policy, which is read when torch loads)
 import torch
 from tqdm import tqdm
 
@@ -51,7 +52,7 @@ from plots import plot_curves
 from grpo_roc import (drop_equal_groups, group_advantages, penalty_total, policy_loss, resample_on_correct,
                       sequence_mean_policy_loss)
 from protocol import chat_format
-from reward import check_many, extract_answer
+from reward import check_many, default_pool, extract_answer
 from rollout import rollout, rollout_sums
 from sampler import HANDOFF_PROBE_TOKENS, HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs
 
@@ -131,7 +132,7 @@ class TrainConfig:
     save_every: int = 50
     keep_checkpoints: int = 2
     report_to: str | None = None          # tensorboard | wandb (Accelerate trackers)
-    torch_threads: int = 0                # CPU threads for torch (0: its default); 1 leaves a core to the tool
+    torch_threads: int = 0                # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
 
 
 # Allowed values of the numeric fields (config.check_ranges), checked by `validate` before any work.
@@ -364,19 +365,28 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
     world, size = accelerator.num_processes, cfg.micro_batch_size
     # Every rank runs the same number of micro-batches (the largest any rank needs).
     n_micro = max(int(all_max(accelerator, math.ceil(len(kept) / size))), 1)
+    per_update = math.ceil(n_micro / cfg.updates_per_step)
+    # Within each mini-batch, micro-batches of similar length: each is padded to its longest sequence (one
+    # truncated rollout would otherwise pad a whole micro-batch to the budget). The loss sums over the
+    # mini-batch's tokens, so the order inside it changes nothing.
+    span = per_update * size
+    kept = [x for m in range(0, len(kept), span)
+            for x in sorted(kept[m:m + span], key=lambda item: len(item[0].prompt_ids) + len(item[0].response_ids))]
     chunks = micro_batches(kept, size, n_micro)
     batches = [to_device(make_batch(c, dummy, pad_id), accelerator.device) for c in chunks]
     # Under FSDP, skipping the gradient sync would keep a whole unsharded gradient on every GPU until the last
     # micro-batch; instead each micro-batch's gradient is reduce-scattered into the shards as it comes.
     sync_each = is_sharded(model)
-    # Phase 7: old log-probs under the policy before this step's first update.
+    # Phase 7: old log-probs under the policy before this step's first update. The first mini-batch's are the
+    # log-probs its own forward computes (nothing has changed the policy yet), so only later mini-batches need a
+    # forward of their own now (None: take them from the update's forward).
     model.eval()
     with torch.no_grad():
-        old = [token_logprobs(model, b, cfg.temperature) for b, _ in batches]
+        old = [None if i < per_update else token_logprobs(model, b, cfg.temperature) for i, (b, _) in
+               enumerate(batches)]
     model.train()
     # Phase 8: `updates_per_step` optimizer steps (mini-batches), each accumulating its micro-batches.
     sums = {}
-    per_update = math.ceil(n_micro / cfg.updates_per_step)
     for u in range(cfg.updates_per_step):
         ids = list(range(u * per_update, min((u + 1) * per_update, n_micro)))
         # The normaliser, over ALL ranks and micro-batches of this mini-batch: unmasked tokens (token-level loss)
@@ -389,7 +399,8 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
             (batch, adv), last = batches[i], j == len(ids) - 1
             with contextlib.nullcontext() if last or sync_each else accelerator.no_sync(model):
                 logp = token_logprobs(model, batch, cfg.temperature)
-                loss, metrics = LOSSES[cfg.loss_agg](logp, old[i], adv, batch["loss_mask"], clip_low=cfg.clip_low,
+                old_logp = logp.detach() if old[i] is None else old[i]
+                loss, metrics = LOSSES[cfg.loss_agg](logp, old_logp, adv, batch["loss_mask"], clip_low=cfg.clip_low,
                                                      clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, **norm)
                 # x world: DDP/FSDP average gradients over ranks, and the normaliser already counts every rank.
                 accelerator.backward(loss * world)
@@ -576,11 +587,10 @@ def setup(cfg: TrainConfig):
     from accelerate.utils import DistributedType, set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
     # cpu=True without a GPU: the only way Accelerate sets up gloo across CPU processes (torchrun, accelerate launch)
     acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision,
                       log_with=cfg.report_to, project_dir=cfg.out_dir)
+    threads = cpu_threads.set_torch_threads(cfg.torch_threads)  # after Accelerate, which may set its own count
     validate(cfg, acc.num_processes)
     try:  # where and how model code runs (code_tool.py's sandbox modes)
         sandbox = choose_sandbox(cfg.tool_backend, cfg.tool_require_isolation)
@@ -606,6 +616,7 @@ def setup(cfg: TrainConfig):
     if acc.is_main_process:
         begin_run(out, start)
         print(format_config(cfg))
+        print(f"{threads} torch thread(s)")
         save_config(cfg, out / "config.yaml")
         (out / "sandbox.txt").write_text(announce(sandbox) + "\n")
         if cfg.report_to:
@@ -644,6 +655,7 @@ def setup(cfg: TrainConfig):
     run.tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
                         max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
                         require_isolation=cfg.tool_require_isolation)
+    default_pool().start()  # the answer checkers import sympy while the first rollout runs, not after it
     return step, run
 
 
@@ -685,7 +697,9 @@ def main(argv=None) -> None:
                                  f"{latest_checkpoint(run.out) or 'none yet'}") from None
             step += 1
             if run.eval_problems and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
+                start = time.perf_counter()
                 metrics.update(held_out_eval(cfg, run))
+                metrics["perf/eval_s"] = time.perf_counter() - start
             if acc.is_main_process:
                 with open(log_path, "a") as f:
                     f.write(json.dumps({"step": step, "stage": cfg.stage, **metrics}) + "\n")

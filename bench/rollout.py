@@ -1,9 +1,8 @@
 """Throughput of multi-turn agentic rollouts (with real tool calls) against plain generation, side by side.
 
-    .venv/bin/python bench/rollout.py [--n 32 --threads 1 --sft-steps 150 --model-dir DIR ]
-    .venv-vllm/bin/python bench/rollout.py --vllm         # the same workload on vLLM too (its CPU build: fp32)
+    .venv/bin/python bench/rollout.py [--n 32 --threads 1 --sft-steps 150 --model-dir DIR --rounds 3]
 
-What is compared, on the same tiny model and the same N prompts, in one run:
+What is compared, on the same tiny model and the same N prompts, in each round:
 - agentic: `rollout.rollout` with HFSampler (continuous batching) and the real CodeTool: several turns per rollout,
            each tool call dispatched as its turn ends, the conversation rejoining the batch when the result is back
            (only the tool response is read; earlier turns' keys and values are reused). Run once continuous and once
@@ -11,14 +10,15 @@ What is compared, on the same tiny model and the same N prompts, in one run:
 - its plain twins, the same prompts and per sequence exactly as many sampled tokens as its rollout sampled in all
   its turns, one turn, no tools, no stop token:
     * HFSampler, no tools: the same decode loop (the strict comparison: only the agentic work differs);
-    * model.generate: transformers' own batched `generate` with the KV cache (the issue's "plain generate").
-  ratio = agentic sampled tokens/s / twin tokens/s, for each twin (target >= 0.8).
-- with --vllm, the same rollouts (both modes) on VLLMSampler (vLLM's continuous batching and prefix caching; the
-  real engine, its CPU build in fp32 eager mode here) and its plain twin, one vLLM `generate` sampling exactly as
-  many tokens per sequence with no stop; then agentic vLLM tok/s / agentic HFSampler tok/s per mode.
-Throughput = tokens the policy sampled / wall-clock seconds (tool text is read, not sampled, so it only costs).
-"gen s" is the time spent inside `sampler.step`; the rest of "wall s" is waiting for tools and bookkeeping.
-"ctx" (mean context under a sampled token) and "read" (tool-response tokens) show the work the twins do not have.
+    * model.generate: transformers' own batched `generate` with the KV cache.
+  ratio = agentic sampled tokens/s / twin tokens/s, for each twin.
+Throughput = tokens the policy sampled / seconds (tool text is read, not sampled, so it only costs). The ratios are
+given by wall clock and by this process's CPU seconds (the tool's processes excluded), median and range over
+`--rounds` rounds: on a shared machine the CPU ratio is the steadier one. "gen s" is the time inside
+`sampler.step`; the rest of "wall s" is waiting for tools and bookkeeping. "ctx" (mean context under a sampled
+token) and "read" (tool-response tokens) show the work the twins do not have, and the last table says where the
+sampler's seconds go: prefill (reading prompts and tool responses) and decode forwards, the token rows each
+computes (rows x new tokens, padding included) and the attention cells (token rows x attended columns).
 
 How the random tiny model is made to call the tool, honestly: it is first fine-tuned for a few steps (`--sft-steps`)
 on scripted conversations (problem "Compute a*b.", a call `print(a*b)`, the real tool output, a check call, the
@@ -26,19 +26,11 @@ answer) with loss on the assistant tokens only. Rollouts then SAMPLE from that m
 is forced, so some calls are malformed or wrong, as in real RL. The numbers it copies are usually wrong; that does
 not matter for throughput.
 
-torch threads: on 2 cores, two OpenMP threads slow down badly (tens of times, measured) whenever anything else
-runs at once, such as the tool's worker processes; `--threads 1` (default) leaves the second core to the tool.
-
-Measured (2026-11-30, idle 2-core box, N=32, budget 512, 4 turns, 1 thread; median and range of 3 runs):
-continuous agentic 1,326 sampled tok/s = 1.44x (1.27-1.46) transformers `generate` on the same tokens (target 0.8x:
-met) and 0.64x (0.56-0.70) our own decode loop without tools; turn by turn 1.28x (1.09-1.60) and 0.51x (0.46-0.56).
-Tool waits are about 0.05 s of 5 s: the tool is hidden. The strict gap is the agentic work itself: the rollouts read
-5,544 tool-response tokens next to 6,916 sampled ones (most calls of this barely trained model fail, and a
-traceback is long) and sample under 31% longer contexts (328 vs 251 tokens; attention is ~40% of a decode step
-here). Before this loop (same bench, `generate` per turn, every turn re-reading its history): 0.49x.
+torch threads: `--threads 1` (default) leaves the second core to the tool's workers (cpu_threads.py).
 """
 import argparse
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +46,7 @@ from code_tool import CodeTool  # noqa: E402
 from protocol import TOOL_NAME, chat_format  # noqa: E402
 from rollout import means, rollout, rollout_sums  # noqa: E402
 from hf_sampler import HFSampler  # noqa: E402
+from sampler import generate_all  # noqa: E402
 from sft import build_labels, collate, masked_lm_loss  # noqa: E402
 from tiny_model import build_tiny  # noqa: E402
 
@@ -93,13 +86,37 @@ def sft(model, tokenizer, fmt, steps: int, batch: int = 8, lr: float = 3e-3, see
     return loss.item()
 
 
-class TimedSampler:
-    """Wraps a sampler and adds up the seconds spent inside `step` (the rest of a rollout is tool waits and
-    bookkeeping)."""
+class Probe:
+    """Wraps an HFSampler: seconds inside `step`, split into prefill (`_admit`: reading prompts and tool responses)
+    and decode (`_decode`: one token for every live row), the forwards of each and the token rows they compute
+    (rows x new tokens), and the attention cells (token rows x attended columns). The rest of a rollout's wall time
+    is tool waits and bookkeeping."""
 
     def __init__(self, sampler):
         self.sampler, self.seconds = sampler, 0.0
         self.add, self.has_work = sampler.add, sampler.has_work
+        self.parts = {part: {"s": 0.0, "forwards": 0, "token_rows": 0, "cells": 0} for part in ("prefill", "decode")}
+        self.current = None
+        for part, method in (("prefill", "_admit"), ("decode", "_decode")):
+            setattr(sampler, method, self._timed(part, getattr(sampler, method)))
+        forward = sampler._forward
+
+        def counted(ids, pos, seen, cache):
+            row = self.parts[self.current]
+            row["forwards"] += 1
+            row["token_rows"] += ids.numel()
+            row["cells"] += ids.numel() * (cache.length + ids.shape[1] - cache.first)
+            return forward(ids, pos, seen, cache)
+        sampler._forward = counted
+
+    def _timed(self, part, method):
+        def timed():
+            self.current, start = part, time.perf_counter()
+            try:
+                return method()
+            finally:
+                self.parts[part]["s"] += time.perf_counter() - start
+        return timed
 
     def step(self):
         start = time.perf_counter()
@@ -145,7 +162,7 @@ def main():
     p.add_argument("--workers", type=int, default=None, help="code tool workers (default: CodeTool's)")
     p.add_argument("--model-dir", default=None, help="reuse/keep the fine-tuned tiny model here")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vllm", action="store_true", help="also vLLM (its CPU build here: fp32, eager)")
+    p.add_argument("--rounds", type=int, default=3, help="repeat the whole comparison; medians are reported")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -165,81 +182,80 @@ def main():
     rng = random.Random(a.seed + 1)
     problems = [conversation(rng)[0] for _ in range(a.n)]
     prompts = [tokenizer.encode(fmt.prompt(q), add_special_tokens=False) for q in problems]
-    no_stop = HFSampler(model, tokenizer, batch_size=a.n, stop_ids=[])  # runs each budget out exactly
-
-    def hf_plain(lengths):
-        start = time.perf_counter()
-        no_stop.generate(prompts, lengths, temperature=1.0)
-        return time.perf_counter() - start
-
-    engines = [("hf", lambda: HFSampler(model, tokenizer, batch_size=a.n),
-                [("HFSampler, no tools", hf_plain),
-                 ("model.generate", lambda lengths: plain_generate(model, tokenizer, prompts, lengths))])]
-    if a.vllm:
-        from sampler import VLLMSampler
-        engine = VLLMSampler(str(model_dir), tokenizer, dtype="float32", enforce_eager=True, seed=a.seed,
-                             kv_cache_memory_bytes=256 << 20)
-        engines.append(("vllm", lambda: engine, [("vLLM, no tools", lambda n: vllm_plain(engine, prompts, n))]))
-    rows = []  # (name, sampled tokens, wall s, step s, stats or None, twin tok/s list, context, tool text)
+    rounds = []  # per round: {mode: {name: row}}
     with CodeTool(workers=a.workers) as tool:
         tool.run_batch([("print(1)", "")] * tool.workers)  # warm the workers
-        for name, make, twins in engines:
-            for sync_turns in (False, True):
-                torch.manual_seed(a.seed)
-                timed = TimedSampler(make())
-                start = time.perf_counter()
-                trajs = rollout(problems, timed, tool, tokenizer, fmt, a.max_response_tokens, a.max_turns,
-                                temperature=1.0, sync_turns=sync_turns)
-                wall = time.perf_counter() - start
-                lengths = [sum(t.loss_mask) for t in trajs]
-                # mean context length under each sampled token (attention cost per token grows with it)
-                context = sum(len(t.prompt_ids) + i for t in trajs for i, m in enumerate(t.loss_mask) if m) \
-                    / sum(lengths)
-                twin_context = sum(len(p) + i for p, n in zip(prompts, lengths) for i in range(n)) / sum(lengths)
-                tool_text = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs)
-                # Its plain twins: the same prompts and number of sampled tokens per sequence, one turn, no tools.
-                rates = []
-                for twin, seconds_of in twins:
-                    seconds = seconds_of(lengths)
-                    rows.append((f"  twin: {twin}", sum(lengths), seconds, seconds, None, None, twin_context, 0))
-                    rates.append(sum(lengths) / seconds)
-                rows.append((f"{name} agentic, " + ("turn by turn" if sync_turns else "continuous"), sum(lengths),
-                             wall, timed.seconds, means(rollout_sums(trajs, [0.0] * len(trajs))), rates, context,
-                             tool_text))
+        for r in range(a.rounds):
+            rounds.append({mode: measure(model, tokenizer, fmt, tool, problems, prompts, a, mode == "turn by turn")
+                           for mode in ("continuous", "turn by turn")})
         workers, sandbox = tool.workers, tool.sandbox
     print(f"\nN={a.n}, torch threads={a.threads}, tool workers={workers}, sandbox={sandbox}, "
-          f"budget={a.max_response_tokens}, max_turns={a.max_turns}")
-    print("ratio = agentic tok/s / the tok/s of each twin above it (hf: HFSampler no tools | transformers generate;"
-          " vllm: vLLM no tools)")
+          f"budget={a.max_response_tokens}, max_turns={a.max_turns}; round 1 of {a.rounds}:")
+    print("ratio = agentic tok/s / the tok/s of its twin above it: HFSampler with no tools | transformers generate")
     print("ctx = mean context length under a sampled token; read = tool-response tokens read (prefill only)")
     print(f"{'mode':<30}{'sampled':>8}{'read':>6}{'ctx':>5}{'wall s':>8}{'gen s':>7}{'tok/s':>7}{'ratio':>12}"
           f"{'turns':>7}{'calls':>7}{'fail %':>7}{'trunc %':>8}")
-    agentic = {}
-    for name, sampled, wall, gen, stats, rates, ctx, read in rows:
-        line = f"{name:<30}{sampled:>8}{read:>6}{ctx:>5.0f}{wall:>8.2f}{gen:>7.2f}{sampled / wall:>7.0f}"
-        if stats is not None:
-            agentic[name] = sampled / wall
-            ratios = " | ".join(f"{sampled / wall / r:.2f}" for r in rates)
-            line += (f"{ratios:>12}{stats['turns_mean']:>7.2f}{stats['tool_calls_mean']:>7.2f}"
-                     f"{100 * stats['tool_error_rate']:>7.1f}{100 * stats['truncated_frac']:>8.1f}")
-        print(line)
-    if a.vllm:
-        for mode in ("continuous", "turn by turn"):
-            ratio = agentic[f"vllm agentic, {mode}"] / agentic[f"hf agentic, {mode}"]
-            print(f"vllm / hf, agentic {mode}: {ratio:.2f}x")
-        engine.close()
+    for mode, rows in rounds[0].items():
+        for name, row in rows.items():
+            label = f"agentic, {mode}" if name == "agentic" else f"  twin: {name}"
+            line = (f"{label:<30}{row['sampled']:>8}{row['read']:>6}{row['ctx']:>5.0f}{row['wall']:>8.2f}"
+                    f"{row['gen']:>7.2f}{row['sampled'] / row['wall']:>7.0f}")
+            if name == "agentic":
+                ratios = f"{ratio(row, rows['HFSampler, no tools']):.2f} | {ratio(row, rows['model.generate']):.2f}"
+                stats = row["stats"]
+                line += (f"{ratios:>12}{stats['turns_mean']:>7.2f}{stats['tool_calls_mean']:>7.2f}"
+                         f"{100 * stats['tool_error_rate']:>7.1f}{100 * stats['truncated_frac']:>8.1f}")
+            print(line)
+    print(f"\nmedian over {a.rounds} rounds (range): agentic tok/s / twin tok/s, by wall clock and by the CPU "
+          "seconds of this process")
+    for mode in ("continuous", "turn by turn"):
+        for twin in ("HFSampler, no tools", "model.generate"):
+            for clock in ("wall", "cpu"):
+                values = [ratio(rd[mode]["agentic"], rd[mode][twin], clock) for rd in rounds]
+                print(f"  {mode:<13} / {twin:<20} {clock:<4} {statistics.median(values):.2f} "
+                      f"({min(values):.2f}-{max(values):.2f})")
+    print("\nwhere the seconds go, continuous agentic rollout against its HFSampler twin (round 1):")
+    print(f"{'':<12}{'part':<10}{'s':>7}{'forwards':>10}{'token rows':>12}{'attn cells':>12}")
+    for name in ("agentic", "HFSampler, no tools"):
+        row = rounds[0]["continuous"][name]
+        for part, p in row["parts"].items():
+            print(f"{name[:11]:<12}{part:<10}{p['s']:>7.2f}{p['forwards']:>10}{p['token_rows']:>12,}{p['cells']:>12,}")
+        print(f"{name[:11]:<12}{'outside':<10}{row['wall'] - row['gen']:>7.2f}   (tool waits, bookkeeping)")
 
 
-def vllm_plain(sampler, prompts: list[list[int]], lengths: list[int]) -> float:
-    """Seconds for one vLLM `generate` in which row r samples exactly lengths[r] tokens (no stop), no tools."""
-    from vllm import SamplingParams
-    params = [SamplingParams(temperature=1.0, max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=0,
-                             detokenize=False) for n in lengths]
-    sampler.llm.reset_prefix_cache()  # the agentic run left these prompts cached: the twin reads them too
-    start = time.perf_counter()
-    sampler.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start
+def ratio(agentic: dict, twin: dict, clock: str = "wall") -> float:
+    """Sampled tokens per second of the agentic rollout over its twin's (the same tokens, so a time ratio)."""
+    return twin[clock] / agentic[clock]
 
+
+def measure(model, tokenizer, fmt, tool, problems, prompts, a, sync_turns: bool) -> dict:
+    """One agentic rollout and its two plain twins (the same prompts, per sequence as many sampled tokens as the
+    rollout sampled in all its turns, one turn, no tools): {name: wall, cpu (this process), gen, ...}."""
+    sampler = HFSampler(model, tokenizer, batch_size=a.n)
+    probe = Probe(sampler)
+    torch.manual_seed(a.seed)
+    start, cpu = time.perf_counter(), time.process_time()
+    trajs = rollout(problems, probe, tool, tokenizer, fmt, a.max_response_tokens, a.max_turns, temperature=1.0,
+                    sync_turns=sync_turns)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    lengths = [sum(t.loss_mask) for t in trajs]
+    # mean context length under each sampled token (attention cost per token grows with it)
+    context = sum(len(t.prompt_ids) + i for t in trajs for i, m in enumerate(t.loss_mask) if m) / sum(lengths)
+    twin_context = sum(len(p) + i for p, n in zip(prompts, lengths) for i in range(n)) / sum(lengths)
+    out = {"agentic": {"sampled": sum(lengths), "read": sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs),
+                       "ctx": context, "wall": wall, "cpu": cpu, "gen": probe.seconds, "parts": probe.parts,
+                       "stats": means(rollout_sums(trajs, [0.0] * len(trajs)))}}
+    twin = Probe(HFSampler(model, tokenizer, batch_size=a.n, stop_ids=[]))  # runs each budget out exactly
+    start, cpu = time.perf_counter(), time.process_time()
+    generate_all(twin, prompts, lengths, temperature=1.0)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    out["HFSampler, no tools"] = {"sampled": sum(lengths), "read": 0, "ctx": twin_context, "wall": wall, "cpu": cpu,
+                                  "gen": twin.seconds, "parts": twin.parts}
+    start, cpu = time.perf_counter(), time.process_time()
+    seconds = plain_generate(model, tokenizer, prompts, lengths)
+    out["model.generate"] = {"sampled": sum(lengths), "read": 0, "ctx": twin_context, "wall": seconds,
+                             "cpu": time.process_time() - cpu, "gen": seconds}
+    return out
 
 if __name__ == "__main__":
     main()

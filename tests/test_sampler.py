@@ -2,6 +2,7 @@
 check, and VLLMSampler against a fake engine shaped like vLLM's for what vLLM's CPU build cannot show (sleep mode,
 refusals). The real engine: tests/test_vllm_engine.py."""
 import ast
+import copy
 import sys
 import types
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_sampler import HFSampler
+from hf_sampler import PREFILL_FORWARD_COST, HFSampler, prefill_groups
 from protocol import IM_END
 from sampler import HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs
 from tiny_model import build_tiny
@@ -99,8 +100,10 @@ def test_hf_sampler_drops_finished_rows_at_once(tiny, monkeypatch):
 def test_hf_sampler_reuses_the_keys_and_values_of_earlier_turns(tiny, monkeypatch):
     """Turn 2 of a conversation (turn-1 prompt + its completion + a tool response) reads only the new tokens; rows
     with and without a stored prefix, of different lengths, share a batch; log-probs match a fresh forward pass and
-    greedy tokens equal those of a sampler without the prefix store."""
+    greedy tokens equal those of a sampler without the prefix store. New weights drop the stored prefixes; on the
+    CPU the slot buffers are kept, and what they still hold from the old weights is never attended."""
     _, tok, model = tiny
+    model = copy.deepcopy(model)  # update_weights below loads other weights into it
     sampler = HFSampler(model, tok, batch_size=8)
     first = prompts_of(tok, ["Compute 12*34.", "x", "a longer prompt with more tokens"])
     torch.manual_seed(1)
@@ -120,9 +123,56 @@ def test_hf_sampler_reuses_the_keys_and_values_of_earlier_turns(tiny, monkeypatc
         assert torch.allclose(torch.tensor(c.logprobs), fresh_logprobs(model, p, c, 0.7), atol=1e-4)
     assert [c.token_ids for c in sampler.generate(second, [30] * 4, temperature=0.0)] \
         == [c.token_ids for c in plain.generate(second, [30] * 4, temperature=0.0)]
-    sampler.update_weights(model)  # new weights: stored keys and values are stale; the buffers are freed
-    assert sampler.prefixes.entries == {} and sampler.kv is None
-    assert len(sampler.generate(second[:1], [5])[0].token_ids) <= 5  # and allocated again when needed
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.mul_(1.5)
+    buffers = sampler.kv
+    sampler.update_weights(changed)  # new weights: stored keys and values are stale
+    assert sampler.prefixes.entries == {} and sampler.kv is buffers
+    again = sampler.generate(second, [10] * 4, temperature=1.0)
+    for p, c in zip(second, again):  # every prompt read afresh with the new weights (nothing stored is reused)
+        assert torch.allclose(torch.tensor(c.logprobs), fresh_logprobs(changed, p, c), atol=1e-4)
+
+
+def test_hf_sampler_reads_a_repeated_prompt_once(tiny, monkeypatch):
+    """A group's rollouts share their prompt: admitted together, each distinct prompt is read in one row of the
+    prefill (the copies get its keys, values and logits), yet every copy samples on its own and its log-probs match
+    a fresh forward pass."""
+    _, tok, model = tiny
+    sampler = HFSampler(model, tok, batch_size=8, stop_ids=[])
+    shapes = spy_forward(model, monkeypatch)
+    prompts = prompts_of(tok, ["Compute 12*34.", "a longer prompt", "Compute 12*34."]) * 2
+    torch.manual_seed(5)
+    out = sampler.generate(prompts, [12] * 6, temperature=1.5)
+    assert shapes[0] == (2, len(prompts[1])) and shapes[1] == (6, 1)  # 2 distinct prompts read, 6 rows decoded
+    assert len({tuple(c.token_ids) for c in out}) == 6  # the copies sample independently
+    for p, c in zip(prompts, out):
+        assert torch.allclose(torch.tensor(c.logprobs), fresh_logprobs(model, p, c, 1.5), atol=1e-4)
+
+
+@pytest.mark.parametrize("widths, cost, ends", [
+    ([1, 1, 1, 100], 10, [3, 4]),      # 3 + 10 + 100 + 10 = 123 < 4 * 100 + 10
+    ([5, 5, 6, 6], 64, [4]),           # padding 2 token rows is cheaper than a second forward
+    ([1, 1, 2], 0, [2, 3]),            # forwards are free: one per width
+    ([7], 64, [1]),
+])
+def test_prefill_groups(widths, cost, ends):
+    assert prefill_groups(widths, cost) == ends
+
+
+def test_hf_sampler_reads_short_and_long_new_tokens_in_separate_forwards(tiny, monkeypatch):
+    """Admitted together, a 1-token prompt and a long one are read in two forwards (padding the short row to the
+    long one would cost more than a forward); both sample correctly."""
+    _, tok, model = tiny
+    sampler = HFSampler(model, tok, batch_size=4, stop_ids=[])
+    shapes = spy_forward(model, monkeypatch)
+    prompts = prompts_of(tok, ["a", "b" * (2 * PREFILL_FORWARD_COST)])
+    torch.manual_seed(6)
+    out = sampler.generate(prompts, [6, 6], temperature=1.0)
+    assert shapes[:3] == [(1, 1), (1, len(prompts[1])), (2, 1)]
+    for p, c in zip(prompts, out):
+        assert torch.allclose(torch.tensor(c.logprobs), fresh_logprobs(model, p, c), atol=1e-4)
 
 
 def test_hf_sampler_admits_requests_while_others_decode(tiny):

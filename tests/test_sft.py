@@ -156,7 +156,7 @@ def test_short_sft_run_changes_weights_and_lowers_the_training_loss(tiny):
     assert all(not torch.equal(base_params[n], p) for n, p in sft_params.items() if "norm" not in n)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [3, 6, 9, 12]
-    assert set(rows[0]) == {"step", "sft/loss", "sft/lr", "sft/epoch", "perf/tokens_per_s"}
+    assert set(rows[0]) == {"step", "sft/loss", "sft/lr", "sft/epoch", "perf/tokens_per_s", "perf/seconds"}
     assert rows[-1]["sft/loss"] < rows[0]["sft/loss"] and rows[1]["sft/epoch"] == pytest.approx(3.0)
     assert load_config(SFTConfig, [out / "config.yaml"]).lr == 3e-3
 

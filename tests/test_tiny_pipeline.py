@@ -38,6 +38,19 @@ def test_quick_pipeline_runs_every_stage_and_a_changed_rerun_ends_with_its_own_n
     assert "eval_sft vs eval_stage3" in (tmp_path / "tiny" / "compare_sft_stage3.html").read_text()
     assert summary["tool_sandbox"].startswith("code tool sandbox: ") and summary["tool_sandbox"] in done.stderr
 
+    # The time table: every command with its wall and CPU seconds, the parts its entry point logged, and each
+    # stage's evaluation started before the next stage (it runs beside it).
+    phases = summary["phases"]
+    assert set(phases) == {"base", "data", "sft", "eval_sft", "stage1", "eval_stage1", "stage2", "eval_stage2",
+                           "unsolved_stage2", "stage3", "eval_stage3"}
+    assert all(p["wall_s"] > 0 and p["cpu_s"] > 0 for p in phases.values())
+    assert phases["sft"]["parts"]["training"] > 0
+    assert all(phases[s]["parts"]["rollout"] > 0 and phases[s]["parts"]["update"] > 0 for s in ("stage1", "stage2"))
+    assert phases["eval_stage3"]["parts"]["rollouts_and_scoring"] > 0
+    for before, stage in (("sft", "stage1"), ("stage1", "stage2"), ("stage2", "stage3")):
+        assert phases[f"eval_{before}"]["beside_next"] and phases[f"eval_{before}"]["start_s"] <= phases[stage]["start_s"]
+    assert "where the time went" in done.stdout
+
     # The same folder with other settings (as a full run after --quick): every step they change is done again,
     # and every evaluation with it; the steps they do not change are kept.
     untouched = [root / "base" / "model.safetensors", root / "data" / "sft.jsonl"]

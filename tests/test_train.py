@@ -95,6 +95,53 @@ def test_update_is_the_same_whatever_the_micro_batch_size(tiny):
     assert sums1["policy"][0] == pytest.approx(sums8["policy"][0], abs=1e-6)
 
 
+def spy_forwards(monkeypatch):
+    """(input width, grad enabled) of every forward of the policy made through token_logprobs."""
+    calls, original = [], train.token_logprobs
+
+    def spy(model, batch, temperature):
+        calls.append((batch["input_ids"].shape[1], torch.is_grad_enabled()))
+        return original(model, batch, temperature)
+    monkeypatch.setattr(train, "token_logprobs", spy)
+    return calls
+
+
+def test_update_scores_old_logprobs_in_its_own_forward_when_on_policy(tiny, monkeypatch):
+    """With one optimizer step per RL step the policy has not moved when a micro-batch is scored, so its old
+    log-probs are those of the update's own forward: one forward per micro-batch, none without grad. With two
+    mini-batches the second one's old log-probs are taken before the first optimizer step (a no-grad forward)."""
+    _, kept = kept_batch(tiny)
+    calls = spy_forwards(monkeypatch)
+    _, sums = updated_weights(tiny, kept, 2)
+    assert [grad for _, grad in calls] == [True] * 4
+    assert sums["ratio_mean"][0] / sums["ratio_mean"][1] == pytest.approx(1.0, abs=1e-9)
+    calls.clear()
+    cfg_two = train.TrainConfig(micro_batch_size=2, updates_per_step=2, grad_clip=1e9)
+    from accelerate import Accelerator
+    model = AutoModelForCausalLM.from_pretrained(tiny / "base")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
+    acc = Accelerator(cpu=True)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    sums = train.update_policy(acc, model, opt, sched, kept, kept[0][0], cfg_two, pad_id=0)
+    assert [grad for _, grad in calls] == [False] * 2 + [True] * 4  # micro-batches 3 and 4, before any step
+    ratio = sums["ratio_mean"][0] / sums["ratio_mean"][1]
+    assert ratio != pytest.approx(1.0, abs=1e-6)  # the second mini-batch saw the policy after the first step
+
+
+def test_update_micro_batches_hold_sequences_of_similar_length(tiny, monkeypatch):
+    """Kept rollouts are sorted by length inside their mini-batch, so each micro-batch is padded to a length
+    close to its own sequences' (fewer padded positions than in the order they were kept)."""
+    _, kept = kept_batch(tiny)
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t, _ in kept]
+    assert lengths != sorted(lengths)  # the kept order is not already sorted
+    calls = spy_forwards(monkeypatch)
+    updated_weights(tiny, kept, 2)
+    ordered = sorted(lengths)
+    assert [width for width, _ in calls] == [max(ordered[i:i + 2]) for i in range(0, 8, 2)]
+    assert sum(calls_w * 2 for calls_w, _ in calls) < sum(max(lengths[i:i + 2]) * 2 for i in range(0, 8, 2))
+
+
 def test_train_entry_point_learns_on_scripted_rollouts(tiny, tmp_path, monkeypatch):
     made = []
     monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: made.append(ScriptedSampler(model, tok))
@@ -142,6 +189,21 @@ def test_a_sampler_left_with_old_weights_stops_the_run_after_the_first_step(tiny
                                          r"trainer's by [0-9.e-]+ per token \(tolerance 0.001\)$"):
         train.main(args(tiny, out))
     assert not (out / "metrics.jsonl").exists() and not (out / "latest").exists()
+
+
+def test_answer_checkers_start_before_the_first_rollout(tiny, tmp_path, monkeypatch):
+    """The reward's worker processes import sympy while the first rollout runs (they used to start at the first
+    check after it, and the step waited for them)."""
+    events, real_rollout = [], train.rollout
+
+    class Pool:
+        def start(self):
+            events.append("checkers started")
+    monkeypatch.setattr(train, "default_pool", lambda: Pool())
+    monkeypatch.setattr(train, "rollout", lambda *a, **kw: events.append("rollout") or real_rollout(*a, **kw))
+    monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: ScriptedSampler(model, tok))
+    train.main(args(tiny, tmp_path / "run", "steps=1"))
+    assert events[:2] == ["checkers started", "rollout"]
 
 
 def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkeypatch, capsys):
