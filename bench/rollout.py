@@ -1,6 +1,7 @@
 """Throughput of multi-turn agentic rollouts (with real tool calls) against plain generation, side by side.
 
     .venv/bin/python bench/rollout.py [--n 32 --threads 1 --sft-steps 150 --model-dir DIR --rounds 3]
+    .venv-vllm/bin/python bench/rollout.py --vllm  # the same workload on vLLM too (its CPU build: fp32)
 
 What is compared, on the same tiny model and the same N prompts, in each round:
 - agentic: `rollout.rollout` with HFSampler (continuous batching) and the real CodeTool: several turns per rollout,
@@ -12,13 +13,19 @@ What is compared, on the same tiny model and the same N prompts, in each round:
     * HFSampler, no tools: the same decode loop (the strict comparison: only the agentic work differs);
     * model.generate: transformers' own batched `generate` with the KV cache.
   ratio = agentic sampled tokens/s / twin tokens/s, for each twin.
+- with --vllm, the same rollouts (both modes) on VLLMSampler (vLLM's continuous batching and prefix caching; the
+  real engine, its CPU build in fp32 eager mode here, built and warmed once, run in this process) and its plain
+  twin, one vLLM `generate` sampling exactly as many tokens per sequence with no stop; each starts with vLLM's
+  prefix cache emptied. vLLM samples other tokens than HFSampler (another engine, another random stream), so the
+  two are compared by tokens/s: vLLM agentic tok/s / HFSampler agentic tok/s, per mode.
 Throughput = tokens the policy sampled / seconds (tool text is read, not sampled, so it only costs). The ratios are
 given by wall clock and by this process's CPU seconds (the tool's processes excluded), median and range over
 `--rounds` rounds: on a shared machine the CPU ratio is the steadier one. "gen s" is the time inside
 `sampler.step`; the rest of "wall s" is waiting for tools and bookkeeping. "ctx" (mean context under a sampled
 token) and "read" (tool-response tokens) show the work the twins do not have, and the last table says where the
 sampler's seconds go: prefill (reading prompts and tool responses) and decode forwards, the token rows each
-computes (rows x new tokens, padding included) and the attention cells (token rows x attended columns).
+computes (rows x new tokens, padding included) and the attention cells (token rows x attended columns), for
+HFSampler only.
 
 How the random tiny model is made to call the tool, honestly: it is first fine-tuned for a few steps (`--sft-steps`)
 on scripted conversations (problem "Compute a*b.", a call `print(a*b)`, the real tool output, a check call, the
@@ -86,15 +93,29 @@ def sft(model, tokenizer, fmt, steps: int, batch: int = 8, lr: float = 3e-3, see
     return loss.item()
 
 
-class Probe:
+class Timed:
+    """Wraps a sampler and adds up the seconds inside `step` (the rest of a rollout's wall time is tool waits and
+    bookkeeping)."""
+
+    def __init__(self, sampler):
+        self.sampler, self.seconds = sampler, 0.0
+        self.add, self.has_work = sampler.add, sampler.has_work
+
+    def step(self):
+        start = time.perf_counter()
+        out = self.sampler.step()
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+class Probe(Timed):
     """Wraps an HFSampler: seconds inside `step`, split into prefill (`_admit`: reading prompts and tool responses)
     and decode (`_decode`: one token for every live row), the forwards of each and the token rows they compute
     (rows x new tokens), and the attention cells (token rows x attended columns). The rest of a rollout's wall time
     is tool waits and bookkeeping."""
 
     def __init__(self, sampler):
-        self.sampler, self.seconds = sampler, 0.0
-        self.add, self.has_work = sampler.add, sampler.has_work
+        super().__init__(sampler)
         self.parts = {part: {"s": 0.0, "forwards": 0, "token_rows": 0, "cells": 0} for part in ("prefill", "decode")}
         self.current = None
         for part, method in (("prefill", "_admit"), ("decode", "_decode")):
@@ -117,12 +138,6 @@ class Probe:
             finally:
                 self.parts[part]["s"] += time.perf_counter() - start
         return timed
-
-    def step(self):
-        start = time.perf_counter()
-        out = self.sampler.step()
-        self.seconds += time.perf_counter() - start
-        return out
 
 
 class _Budgets(StoppingCriteria):
@@ -152,6 +167,11 @@ def plain_generate(model, tokenizer, prompts: list[list[int]], lengths: list[int
     return time.perf_counter() - start
 
 
+MODES = ("continuous", "turn by turn")
+# each agentic rollout and its plain twins (the same prompts and tokens per sequence, one turn, no tools)
+TWINS = {"hf agentic": ("HFSampler, no tools", "model.generate"), "vllm agentic": ("vLLM, no tools",)}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=32, help="rollouts per batch (N)")
@@ -163,10 +183,42 @@ def main():
     p.add_argument("--model-dir", default=None, help="reuse/keep the fine-tuned tiny model here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3, help="repeat the whole comparison; medians are reported")
+    p.add_argument("--vllm", action="store_true", help="also vLLM (its CPU build here: fp32, eager)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     fmt = chat_format("compact")
+    model_dir = tiny_tool_model(a, fmt)
+    tokenizer, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
+    model.eval()
+    rng = random.Random(a.seed + 1)
+    problems = [conversation(rng)[0] for _ in range(a.n)]
+    prompts = [tokenizer.encode(fmt.prompt(q), add_special_tokens=False) for q in problems]
+    engine = None
+    if a.vllm:
+        from sampler import VLLMSampler
+        engine = VLLMSampler(str(model_dir), tokenizer, dtype="float32", enforce_eager=True, seed=a.seed,
+                             kv_cache_memory_bytes=256 << 20)
+        generate_all(engine, prompts, [16] * a.n)  # warm the engine: its first steps are slow
+    rounds = []  # per round: {mode: {name: row}}
+    with CodeTool(workers=a.workers) as tool:
+        tool.run_batch([("print(1)", "")] * tool.workers)  # warm the workers
+        for _ in range(a.rounds):
+            rounds.append({mode: measure(model, tokenizer, engine, fmt, tool, problems, prompts, a,
+                                         sync_turns=mode == "turn by turn") for mode in MODES})
+        workers, sandbox = tool.workers, tool.sandbox
+    if engine is not None:
+        engine.close()
+    print(f"\nN={a.n}, torch threads={a.threads}, tool workers={workers}, sandbox={sandbox}, "
+          f"budget={a.max_response_tokens}, max_turns={a.max_turns}; round 1 of {a.rounds}:")
+    print_round(rounds[0])
+    print_medians(rounds)
+    print_breakdown(rounds[0]["continuous"])
+
+
+def tiny_tool_model(a, fmt) -> Path:
+    """The directory of the tiny model fine-tuned to call the tool (made, or reused when made for this prompt and
+    this many SFT steps)."""
     model_dir = Path(a.model_dir or tempfile.mkdtemp(prefix="bench_rollout_"))
     stamp = model_dir / "sft_prompt.txt"  # the fine-tuned model is only valid for the prompt it was trained on
     if not stamp.exists() or stamp.read_text() != fmt.prompt("") + f"|{a.sft_steps}":
@@ -177,85 +229,122 @@ def main():
         print(f"SFT: {a.sft_steps} steps in {time.perf_counter() - start:.0f} s, last loss {loss:.3f}")
         model.save_pretrained(model_dir)
         stamp.write_text(fmt.prompt("") + f"|{a.sft_steps}")
-    tokenizer, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
-    model.eval()
-    rng = random.Random(a.seed + 1)
-    problems = [conversation(rng)[0] for _ in range(a.n)]
-    prompts = [tokenizer.encode(fmt.prompt(q), add_special_tokens=False) for q in problems]
-    rounds = []  # per round: {mode: {name: row}}
-    with CodeTool(workers=a.workers) as tool:
-        tool.run_batch([("print(1)", "")] * tool.workers)  # warm the workers
-        for r in range(a.rounds):
-            rounds.append({mode: measure(model, tokenizer, fmt, tool, problems, prompts, a, mode == "turn by turn")
-                           for mode in ("continuous", "turn by turn")})
-        workers, sandbox = tool.workers, tool.sandbox
-    print(f"\nN={a.n}, torch threads={a.threads}, tool workers={workers}, sandbox={sandbox}, "
-          f"budget={a.max_response_tokens}, max_turns={a.max_turns}; round 1 of {a.rounds}:")
-    print("ratio = agentic tok/s / the tok/s of its twin above it: HFSampler with no tools | transformers generate")
+    return model_dir
+
+
+def measure(model, tokenizer, engine, fmt, tool, problems, prompts, a, sync_turns: bool) -> dict:
+    """One agentic rollout on HFSampler and its two plain twins, and with a vLLM engine one on VLLMSampler and its
+    vLLM twin: {name: row}, a row being sampled, read, ctx, wall, cpu (this process), gen, and more."""
+    probe = Probe(HFSampler(model, tokenizer, batch_size=a.n))
+    out = {"hf agentic": agentic_row(probe, tool, tokenizer, fmt, problems, a, sync_turns)}
+    out["hf agentic"]["parts"] = probe.parts
+    lengths = out["hf agentic"]["lengths"]
+    twin = Probe(HFSampler(model, tokenizer, batch_size=a.n, stop_ids=[]))  # runs each budget out exactly
+    wall, cpu, _ = clocked(generate_all, twin, prompts, lengths, temperature=1.0)
+    out["HFSampler, no tools"] = twin_row(prompts, lengths, wall, cpu, twin.seconds, parts=twin.parts)
+    _, cpu, seconds = clocked(plain_generate, model, tokenizer, prompts, lengths)
+    out["model.generate"] = twin_row(prompts, lengths, seconds, cpu, seconds)
+    if engine is not None:
+        engine.llm.reset_prefix_cache()  # a fresh rollout, as after a weight update
+        out["vllm agentic"] = agentic_row(Timed(engine), tool, tokenizer, fmt, problems, a, sync_turns)
+        lengths = out["vllm agentic"]["lengths"]
+        _, cpu, seconds = clocked(vllm_plain, engine, prompts, lengths)
+        out["vLLM, no tools"] = twin_row(prompts, lengths, seconds, cpu, seconds)
+    return out
+
+
+def clocked(run, *args, **kwargs) -> tuple[float, float, object]:
+    """(wall seconds, this process's CPU seconds, result) of run(*args, **kwargs)."""
+    start, cpu = time.perf_counter(), time.process_time()
+    out = run(*args, **kwargs)
+    return time.perf_counter() - start, time.process_time() - cpu, out
+
+
+def agentic_row(sampler: Timed, tool, tokenizer, fmt, problems, a, sync_turns: bool) -> dict:
+    """One agentic rollout through `sampler`; its row, with the tokens sampled per sequence ("lengths")."""
+    torch.manual_seed(a.seed)
+    wall, cpu, trajs = clocked(rollout, problems, sampler, tool, tokenizer, fmt, a.max_response_tokens,
+                               a.max_turns, temperature=1.0, sync_turns=sync_turns)
+    lengths = [sum(t.loss_mask) for t in trajs]
+    # mean context length under each sampled token (attention cost per token grows with it)
+    context = sum(len(t.prompt_ids) + i for t in trajs for i, m in enumerate(t.loss_mask) if m) / sum(lengths)
+    return {"sampled": sum(lengths), "read": sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs),
+            "ctx": context, "wall": wall, "cpu": cpu, "gen": sampler.seconds, "lengths": lengths,
+            "stats": means(rollout_sums(trajs, [0.0] * len(trajs)))}
+
+
+def twin_row(prompts, lengths, wall: float, cpu: float, gen: float, **more) -> dict:
+    """The row of a plain twin that sampled lengths[r] tokens after prompts[r], reading nothing else."""
+    context = sum(len(p) + i for p, n in zip(prompts, lengths) for i in range(n)) / sum(lengths)
+    return {"sampled": sum(lengths), "read": 0, "ctx": context, "wall": wall, "cpu": cpu, "gen": gen, **more}
+
+
+def ratio(row: dict, other: dict, clock: str = "wall") -> float:
+    """Sampled tokens per second of `row` over `other`'s (for a twin, the same tokens: a time ratio)."""
+    return row["sampled"] / row[clock] / (other["sampled"] / other[clock])
+
+
+def print_round(rows_by_mode: dict) -> None:
+    """The table of one round: each agentic rollout, then its twins."""
+    print("ratio = agentic tok/s / the tok/s of each twin under it (hf: HFSampler no tools | transformers "
+          "generate; vllm: vLLM no tools)")
     print("ctx = mean context length under a sampled token; read = tool-response tokens read (prefill only)")
     print(f"{'mode':<30}{'sampled':>8}{'read':>6}{'ctx':>5}{'wall s':>8}{'gen s':>7}{'tok/s':>7}{'ratio':>12}"
           f"{'turns':>7}{'calls':>7}{'fail %':>7}{'trunc %':>8}")
-    for mode, rows in rounds[0].items():
-        for name, row in rows.items():
-            label = f"agentic, {mode}" if name == "agentic" else f"  twin: {name}"
-            line = (f"{label:<30}{row['sampled']:>8}{row['read']:>6}{row['ctx']:>5.0f}{row['wall']:>8.2f}"
-                    f"{row['gen']:>7.2f}{row['sampled'] / row['wall']:>7.0f}")
-            if name == "agentic":
-                ratios = f"{ratio(row, rows['HFSampler, no tools']):.2f} | {ratio(row, rows['model.generate']):.2f}"
-                stats = row["stats"]
-                line += (f"{ratios:>12}{stats['turns_mean']:>7.2f}{stats['tool_calls_mean']:>7.2f}"
-                         f"{100 * stats['tool_error_rate']:>7.1f}{100 * stats['truncated_frac']:>8.1f}")
-            print(line)
-    print(f"\nmedian over {a.rounds} rounds (range): agentic tok/s / twin tok/s, by wall clock and by the CPU "
-          "seconds of this process")
-    for mode in ("continuous", "turn by turn"):
-        for twin in ("HFSampler, no tools", "model.generate"):
+    for mode, rows in rows_by_mode.items():
+        for agentic, twins in TWINS.items():
+            if agentic not in rows:
+                continue
+            row, stats = rows[agentic], rows[agentic]["stats"]
+            ratios = " | ".join(f"{ratio(row, rows[twin]):.2f}" for twin in twins)
+            print(f"{row_start(f'{agentic}, {mode}', row)}{ratios:>12}{stats['turns_mean']:>7.2f}"
+                  f"{stats['tool_calls_mean']:>7.2f}{100 * stats['tool_error_rate']:>7.1f}"
+                  f"{100 * stats['truncated_frac']:>8.1f}")
+            for twin in twins:
+                print(row_start(f"  twin: {twin}", rows[twin]))
+
+
+def row_start(label: str, row: dict) -> str:
+    return (f"{label:<30}{row['sampled']:>8}{row['read']:>6}{row['ctx']:>5.0f}{row['wall']:>8.2f}"
+            f"{row['gen']:>7.2f}{row['sampled'] / row['wall']:>7.0f}")
+
+
+def print_medians(rounds: list[dict]) -> None:
+    """Median and range over rounds of each agentic rollout's tok/s over its twins', and vLLM's over HFSampler's."""
+    print(f"\nmedian over {len(rounds)} rounds (range) of tok/s ratios, by wall clock and by the CPU seconds of "
+          "this process")
+    for mode in MODES:
+        pairs = [(agentic, twin) for agentic, twins in TWINS.items() if agentic in rounds[0][mode] for twin in twins]
+        if "vllm agentic" in rounds[0][mode]:
+            pairs.append(("vllm agentic", "hf agentic"))
+        for name, other in pairs:
             for clock in ("wall", "cpu"):
-                values = [ratio(rd[mode]["agentic"], rd[mode][twin], clock) for rd in rounds]
-                print(f"  {mode:<13} / {twin:<20} {clock:<4} {statistics.median(values):.2f} "
+                values = [ratio(rd[mode][name], rd[mode][other], clock) for rd in rounds]
+                print(f"  {mode:<13} {name:<13}/ {other:<20} {clock:<4} {statistics.median(values):.2f} "
                       f"({min(values):.2f}-{max(values):.2f})")
+
+
+def print_breakdown(rows: dict) -> None:
+    """Where HFSampler's seconds go in the continuous agentic rollout and in its HFSampler twin."""
     print("\nwhere the seconds go, continuous agentic rollout against its HFSampler twin (round 1):")
     print(f"{'':<12}{'part':<10}{'s':>7}{'forwards':>10}{'token rows':>12}{'attn cells':>12}")
-    for name in ("agentic", "HFSampler, no tools"):
-        row = rounds[0]["continuous"][name]
+    for name in ("hf agentic", "HFSampler, no tools"):
+        row = rows[name]
         for part, p in row["parts"].items():
             print(f"{name[:11]:<12}{part:<10}{p['s']:>7.2f}{p['forwards']:>10}{p['token_rows']:>12,}{p['cells']:>12,}")
         print(f"{name[:11]:<12}{'outside':<10}{row['wall'] - row['gen']:>7.2f}   (tool waits, bookkeeping)")
 
 
-def ratio(agentic: dict, twin: dict, clock: str = "wall") -> float:
-    """Sampled tokens per second of the agentic rollout over its twin's (the same tokens, so a time ratio)."""
-    return twin[clock] / agentic[clock]
+def vllm_plain(sampler, prompts: list[list[int]], lengths: list[int]) -> float:
+    """Seconds for one vLLM `generate` in which row r samples exactly lengths[r] tokens (no stop), no tools."""
+    from vllm import SamplingParams
+    params = [SamplingParams(temperature=1.0, max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=0,
+                             detokenize=False) for n in lengths]
+    sampler.llm.reset_prefix_cache()  # the agentic run left these prompts cached: the twin reads them too
+    start = time.perf_counter()
+    sampler.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start
 
-
-def measure(model, tokenizer, fmt, tool, problems, prompts, a, sync_turns: bool) -> dict:
-    """One agentic rollout and its two plain twins (the same prompts, per sequence as many sampled tokens as the
-    rollout sampled in all its turns, one turn, no tools): {name: wall, cpu (this process), gen, ...}."""
-    sampler = HFSampler(model, tokenizer, batch_size=a.n)
-    probe = Probe(sampler)
-    torch.manual_seed(a.seed)
-    start, cpu = time.perf_counter(), time.process_time()
-    trajs = rollout(problems, probe, tool, tokenizer, fmt, a.max_response_tokens, a.max_turns, temperature=1.0,
-                    sync_turns=sync_turns)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    lengths = [sum(t.loss_mask) for t in trajs]
-    # mean context length under each sampled token (attention cost per token grows with it)
-    context = sum(len(t.prompt_ids) + i for t in trajs for i, m in enumerate(t.loss_mask) if m) / sum(lengths)
-    twin_context = sum(len(p) + i for p, n in zip(prompts, lengths) for i in range(n)) / sum(lengths)
-    out = {"agentic": {"sampled": sum(lengths), "read": sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs),
-                       "ctx": context, "wall": wall, "cpu": cpu, "gen": probe.seconds, "parts": probe.parts,
-                       "stats": means(rollout_sums(trajs, [0.0] * len(trajs)))}}
-    twin = Probe(HFSampler(model, tokenizer, batch_size=a.n, stop_ids=[]))  # runs each budget out exactly
-    start, cpu = time.perf_counter(), time.process_time()
-    generate_all(twin, prompts, lengths, temperature=1.0)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    out["HFSampler, no tools"] = {"sampled": sum(lengths), "read": 0, "ctx": twin_context, "wall": wall, "cpu": cpu,
-                                  "gen": twin.seconds, "parts": twin.parts}
-    start, cpu = time.perf_counter(), time.process_time()
-    seconds = plain_generate(model, tokenizer, prompts, lengths)
-    out["model.generate"] = {"sampled": sum(lengths), "read": 0, "ctx": twin_context, "wall": seconds,
-                             "cpu": time.process_time() - cpu, "gen": seconds}
-    return out
 
 if __name__ == "__main__":
     main()
