@@ -3,7 +3,8 @@
 Each call runs `code` in a fresh interpreter state with `input` on stdin and returns what a notebook shows: stdout;
 if nothing was printed and the code ends in a bare expression other than None, that value's repr (`x = 1` shows
 nothing); on error the traceback, cut to the frames of the model's code. `ToolResult.render()` is the text the model
-reads: the status word, a newline, then stdout and stderr cut in the middle ("ok\n4\n" for `print(2+2)`).
+reads: the status word, a newline, then stdout and stderr cut in the middle ("ok\n4\n" for `print(2+2)`); with
+`error_format="last_line"` a failed call shows only the exception line of its traceback.
 
 Design (the report's separate code service, on one machine): the caller never forks. It starts W worker servers
 (code_sandbox.py) with subprocess and talks JSON lines to all of them from one thread (_Pool). A server imports
@@ -69,6 +70,7 @@ from code_sandbox import PRELOAD, echo_span
 REPLY_GRACE_S = 10.0  # the caller declares a server dead when no reply comes timeout + this many seconds after sending
 READY_TIMEOUT_S = 120.0  # how long a starting server may take to import PRELOAD
 LIGHT_HELP_AFTER_S = 0.1  # a light call running longer is "slow": heavy servers help when too few light ones are quick
+ERROR_FORMATS = ("full", "last_line")  # how ToolResult.render() shows a failed call's stderr
 
 
 @dataclass
@@ -78,18 +80,34 @@ class ToolResult:
     stderr: str = ""  # what it wrote to stderr, then the compact traceback or the reason it was stopped
     elapsed: float = 0.0  # seconds from fork to the child's last word or exit, on the server (no queueing)
     max_chars: int = field(default=1000, repr=False)  # render()'s default cut, the tool's max_output_chars
+    error_format: str = field(default="full", repr=False)  # render()'s default, the tool's error_format
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
 
-    def render(self, max_chars: int | None = None) -> str:
+    def render(self, max_chars: int | None = None, error_format: str | None = None) -> str:
         """Text the model sees: the status word on the first line, then stdout, then stderr, the body cut in the
-        middle to max_chars. `print(2+2)` renders as "ok\\n4\\n"; a failure as "error\\n...ZeroDivisionError: x\\n"."""
+        middle to max_chars. `print(2+2)` renders as "ok\\n4\\n"; a failure as "error\\n...ZeroDivisionError: x\\n".
+        error_format (ERROR_FORMATS): "full" shows a failed call's stderr whole (the compact traceback); "last_line"
+        only its last line, the exception ("NameError: name 'x' is not defined"), as agent setups that cut
+        tracebacks to save context do. A successful call's stderr is always shown whole."""
+        error_format = error_format or self.error_format
+        if error_format not in ERROR_FORMATS:
+            raise ValueError(f"error_format must be one of {ERROR_FORMATS}, got {error_format!r}")
+        stderr = self.stderr
+        if error_format == "last_line" and not self.ok:
+            stderr = last_line(stderr)
         body = self.stdout
-        if self.stderr:
-            body += ("" if body.endswith("\n") or not body else "\n") + self.stderr
+        if stderr:
+            body += ("" if body.endswith("\n") or not body else "\n") + stderr
         return self.status + "\n" + cut_middle(body, self.max_chars if max_chars is None else max_chars)
+
+
+def last_line(text: str) -> str:
+    """The last non-blank line of text, with its newline ("" when there is none)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] + "\n" if lines else ""
 
 
 def cut_middle(text: str, max_chars: int) -> str:
@@ -236,8 +254,9 @@ class _Pool:
     server from the caller's thread. (A thread per server cost the caller 0.47-0.52 ms of CPU per call at 16 in
     flight against 0.35-0.38 for this, most of it thread switches and GIL hand-offs.)"""
 
-    def __init__(self, servers: list[_Server], limits: dict, max_chars: int, help_after: float, cores: int):
-        self.servers, self.limits, self.max_chars = servers, limits, max_chars
+    def __init__(self, servers: list[_Server], limits: dict, max_chars: int, help_after: float, cores: int,
+                 error_format: str = "full"):
+        self.servers, self.limits, self.max_chars, self.error_format = servers, limits, max_chars, error_format
         self.help_after, self.cores = help_after, cores
         self.lock, self.queues, self.closed = threading.Lock(), {"light": deque(), "heavy": deque()}, False
         self.wake_r, self.wake_w = os.pipe()  # close(), failed sends and waiting light calls wake the thread
@@ -300,7 +319,7 @@ class _Pool:
 
     def _crash(self, future: Future | None, why: str) -> None:
         if future is not None and not future.done():
-            future.set_result(ToolResult("crash", "", why, 0.0, self.max_chars))
+            future.set_result(ToolResult("crash", "", why, 0.0, self.max_chars, self.error_format))
 
     def _restart(self, server: _Server, exc: Exception) -> None:
         """The pool's thread: the server died or hung; its call fails, a new server starts in its slot."""
@@ -350,7 +369,8 @@ class _Pool:
                         future, server.future = server.future, None
                         server.state = "idle"
                     if future is not None and not reply.get("ready"):  # (callbacks run here, outside the lock)
-                        future.set_result(ToolResult(**reply, max_chars=self.max_chars))
+                        future.set_result(ToolResult(**reply, max_chars=self.max_chars,
+                                                                error_format=self.error_format))
             now = time.monotonic()
             for server in self.servers:
                 if server.state == "failed":
@@ -391,7 +411,8 @@ class CodeTool:
 
     workers: servers, i.e. calls running at once (default_workers()); timeout: wall-clock seconds per call;
     memory_mb: address space a call may add to the warm interpreter's; max_output_chars: ToolResult.render()'s
-    default cut; max_output_bytes: bytes read per stream before the call is killed as "output_limit"; preload:
+    default cut; error_format: its default error form (ERROR_FORMATS: "full" traceback or "last_line");
+    max_output_bytes: bytes read per stream before the call is killed as "output_limit"; preload:
     modules each server imports once; light_workers: how many servers preload only its standard-library part
     (default half of them, when preload has more than that and workers >= 2). Calls that import nothing beyond the
     standard library (`needs_heavy`) go to those: forking a server without numpy and sympy costs about half. Heavy
@@ -399,7 +420,9 @@ class CodeTool:
 
     def __init__(self, workers: int | None = None, timeout: float = 4.0, memory_mb: int = 512,
                  max_output_chars: int = 1000, max_output_bytes: int = 1 << 20, preload: tuple = PRELOAD,
-                 light_workers: int | None = None):
+                 light_workers: int | None = None, error_format: str = "full"):
+        if error_format not in ERROR_FORMATS:
+            raise ValueError(f"error_format must be one of {ERROR_FORMATS}, got {error_format!r}")
         self.workers = workers or default_workers()
         self.sandbox, prefix = sandbox_prefix()
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")}  # no secrets
@@ -413,7 +436,8 @@ class CodeTool:
                    for i in range(self.workers)]
         limits = {"timeout": timeout, "memory_mb": memory_mb, "max_bytes": max_output_bytes}
         # the pool and its thread hold no reference to self, so garbage collection can close it
-        self._pool = _Pool(servers, limits, max_output_chars, LIGHT_HELP_AFTER_S, os.cpu_count() or 1)
+        self._pool = _Pool(servers, limits, max_output_chars, LIGHT_HELP_AFTER_S, os.cpu_count() or 1,
+                           error_format)
         self._finalizer = weakref.finalize(self, self._pool.close)
         try:
             for server in servers:

@@ -89,6 +89,7 @@ class EvalConfig:
     tool_timeout: float = 4.0
     tool_memory_mb: int = 512
     tool_max_output_chars: int = 1000
+    tool_error_format: str = "full"       # a failed call's text: full (compact traceback) | last_line (exception only)
     # --- vLLM (sampler=vllm only)
     vllm_tensor_parallel_size: int = 1
     vllm_gpu_memory_utilization: float = 0.9
@@ -291,9 +292,12 @@ def load_model(cfg: EvalConfig):
 def run(cfg: EvalConfig) -> dict:
     """The command-line evaluation: every benchmark, results.json, trajectories.jsonl, unsolved_out."""
     from transformers import set_seed
-    from code_tool import CodeTool
+    from code_tool import ERROR_FORMATS, CodeTool
     if cfg.sampler not in ("hf", "vllm"):
         raise SystemExit(f"config error: sampler must be hf or vllm, got {cfg.sampler!r}")
+    if cfg.tool_error_format not in ERROR_FORMATS:
+        raise SystemExit(f"config error: tool_error_format must be one of {ERROR_FORMATS}, "
+                         f"got {cfg.tool_error_format!r}")
     if not cfg.model_path or cfg.samples < 1:
         raise SystemExit("config error: model_path is required and samples must be >= 1")
     out = Path(cfg.out_dir)
@@ -312,7 +316,8 @@ def run(cfg: EvalConfig) -> dict:
     results, missed, k = {}, [], cfg.samples
     traj_file = out / "trajectories.jsonl"
     with CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
-                  max_output_chars=cfg.tool_max_output_chars) as tool, traj_file.open("w", encoding="utf-8") as f:
+                  max_output_chars=cfg.tool_max_output_chars, error_format=cfg.tool_error_format) as tool, \
+            traj_file.open("w", encoding="utf-8") as f:
         for name, problems in benches:
             print(f"{name}: {len(problems)} problems x {k} samples")
             set_seed(cfg.seed)  # each benchmark's samples do not depend on which benchmarks ran before it

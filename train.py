@@ -41,7 +41,7 @@ import torch
 from tqdm import tqdm
 
 from checkpoint import latest_checkpoint, load_checkpoint, resume_point, save_checkpoint, truncate_log
-from code_tool import CodeTool
+from code_tool import ERROR_FORMATS, CodeTool
 from config import format_config, parse_cli, save_config
 from data import check_model_path, load_problems
 from hf_sampler import HFSampler
@@ -99,6 +99,7 @@ class TrainConfig:
     tool_timeout: float = 4.0             # seconds per call (public code: 4 s)
     tool_memory_mb: int = 512
     tool_max_output_chars: int = 1000     # public code: 1,000 characters
+    tool_error_format: str = "full"       # a failed call's text: full (compact traceback) | last_line (exception only)
     # --- optimizer (report section 4)
     lr: float = 1e-6                      # constant after warm-up
     warmup_steps: int = 20
@@ -140,6 +141,8 @@ def validate(cfg: TrainConfig, world: int) -> None:
         problems.append(f"loss_agg must be one of {sorted(LOSSES)}, got {cfg.loss_agg!r}")
     if cfg.sampler not in ("hf", "vllm"):
         problems.append(f"sampler must be hf or vllm, got {cfg.sampler!r}")
+    if cfg.tool_error_format not in ERROR_FORMATS:
+        problems.append(f"tool_error_format must be one of {ERROR_FORMATS}, got {cfg.tool_error_format!r}")
     if not cfg.data:
         problems.append("data: give at least one JSONL file of problems")
     if problems:
@@ -487,7 +490,7 @@ def setup(cfg: TrainConfig):
             print(f"resumed from {start} at step {step}")
     sampler = make_sampler(cfg, acc.unwrap_model(model), tokenizer)
     tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
-                    max_output_chars=cfg.tool_max_output_chars)
+                    max_output_chars=cfg.tool_max_output_chars, error_format=cfg.tool_error_format)
     return step, Run(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                      tool=tool, tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems,
                      pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out)

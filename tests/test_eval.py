@@ -244,3 +244,9 @@ def test_missing_model_is_an_input_error_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match="model_path .* is not a model folder"):
         ev.main(["configs/tiny/eval.yaml", f"model_path={tmp_path / 'nope'}", f"benchmarks=[{bench}]",
                  f"out_dir={tmp_path / 'out'}"])
+
+
+def test_unknown_tool_error_format_is_a_config_error(tmp_path):
+    import eval as ev
+    with pytest.raises(SystemExit, match="tool_error_format must be one of"):
+        ev.main(["configs/tiny/eval.yaml", "model_path=x", "tool_error_format=short", f"out_dir={tmp_path}"])
