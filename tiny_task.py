@@ -37,9 +37,10 @@ them nearly free, but with that data SFT did not learn to copy in 1,500-2,000 st
 ~850 with this one (docs/LOG.md, 2026-11-30).
 Tool responses are produced by running every call through the real `CodeTool`, so SFT shows exactly the text a
 rollout would see, errors included; `error_format` is the tool's (`CodeTool(error_format=...)`: the RL and eval
-configs must use the same, `tool_error_format`), and `sloppy_line` the sloppy traces' leftover line. The thinking text is a few words: the decision ("Guess", "Tool", "Fix") on the
-first token after `<reason>`, which is what RL can move, then the problem's numbers restated, which keeps every copy
-the model must learn (problem -> thinking -> code, tool output -> answer) within a few tokens.
+configs must use the same, `tool_error_format`), and `sloppy_line` the sloppy traces' leftover line. The thinking
+text is a few words: the decision ("Guess", "Tool", "Fix") on the first token after `<reason>`, which is what RL
+can move, then the problem's numbers restated, which keeps every copy the model must learn (problem -> thinking ->
+code, tool output -> answer) within a few tokens.
 
 Left out: natural-language word problems, multi-call problems beyond one fix, and any answer that is not an
 integer. Run `python tiny_task.py runs/tiny/data [--seed 0 --n-train 2000 --n-test 100 --n-sft 4000]`.
