@@ -17,7 +17,7 @@ Splits, all drawn from one seeded generator and disjoint in problem text (each t
 - train_level1.jsonl, train_level2.jsonl: `n_train` problems each for the RL stages.
 
 The SFT data teaches the format, not the policy (the analogue of the report's non-reasoning SFT, which has no
-reasoning traces). Each conversation is one of three traces, in configurable fractions:
+reasoning traces). Each conversation is one of four traces, in configurable fractions:
 - "direct": no tool; the answer is the true one with probability `direct_correct`, else a near miss (one digit
   changed), because a tiny model answering from its head is mostly wrong;
 - "tool": one clean call, then the printed number as the answer;
@@ -28,13 +28,13 @@ reasoning traces). Each conversation is one of three traces, in configurable fra
   still right.
 The sloppy traces are the tool noise the report's Resample-on-Correct exists for (its section on GRPO-RoC): a
 rollout whose call failed yet whose answer is right earns the full reward, so plain GRPO has no reason to stop
-writing such calls, while RoC prefers the clean positives. Without them the tiny task has almost no such rollouts:
-a failed call here is nearly always followed by a failed answer (measured: 14% correct after an error against 73%
-after a clean call), and both GRPO and RoC drop errors within a few steps. With the sloppy traces the errors are
-cheaper, not free: the traceback puts ~120 characters between the printed number and the answer, which this model
-copies worse than the 5 characters after "ok\n". A leftover `exit(1)` (a 14-character "SystemExit: 1") would make
-them nearly free, but with that data SFT did not learn to copy in 1,500-2,000 steps in 4 of 4 runs, against step
-~850 with this one (docs/LOG.md, 2026-11-30).
+writing such calls, while RoC prefers the clean positives, but only where a failed call costs the answer little.
+With the defaults (full tracebacks) it costs some: at temperature 1.0 make tiny's SFT model answers 49% of
+rollouts with a failed call correctly against 74% with clean calls (69% after a sloppy call: the ~130-character
+traceback between the printed number and the answer is a longer copy than the 5 characters after "ok\n"), and
+only 17% when the output is cut to 120 characters in the middle, as configs/tiny/rl.yaml does (text SFT never
+showed; the model then drops digits of the number). The RoC ablation (ablation.py) therefore builds its own task
+with `error_format="last_line"` and more sloppy traces, where a failed call costs nothing (97% against 97%).
 Tool responses are produced by running every call through the real `CodeTool`, so SFT shows exactly the text a
 rollout would see, errors included; `error_format` is the tool's (`CodeTool(error_format=...)`: the RL and eval
 configs must use the same, `tool_error_format`), and `sloppy_line` the sloppy traces' leftover line. The thinking
