@@ -4,8 +4,9 @@ Each call runs `code` in a fresh interpreter state with `input` on stdin and ret
 shows: stdout; if nothing was printed and the code ends in a bare expression other than None, that
 value's repr (`x = 1` shows nothing); on error the traceback, cut to the frames of the model's code.
 `ToolResult.render()` is the text the model reads: the status word, a newline, then stdout and
-stderr cut in the middle ("ok\\n4\\n" for `print(2+2)`). The caller parses the code once, to route
-it and to find the expression a notebook echoes.
+stderr cut in the middle ("ok\\n4\\n" for `print(2+2)`); with `error_format="last_line"` a
+failed call shows only the exception line of its traceback. The caller parses the code once, to
+route it and to find the expression a notebook echoes.
 
 Two backends behind one interface (`submit`, `run`, `run_batch`, a context manager, the same
 `ToolResult`s, timeouts and output caps); `backend="auto"` picks "servers" where os.fork,
@@ -107,6 +108,7 @@ SANDBOX_PY = os.path.abspath(code_sandbox.__file__)
 # a subprocess-backend call: imported, not run as a script, so that its compiled bytecode is reused
 RUN_ONCE = (f"import sys; sys.path[0] = {os.path.dirname(SANDBOX_PY)!r}; import code_sandbox; "
             "code_sandbox.run_once(sys.argv[1])")
+ERROR_FORMATS = ("full", "last_line")  # how ToolResult.render() shows a failed call's stderr
 
 
 @dataclass
@@ -116,18 +118,34 @@ class ToolResult:
     stderr: str = ""  # what it wrote to stderr, then the compact traceback or why it was stopped
     elapsed: float = 0.0  # seconds the call ran (servers: from the fork; subprocess: from Popen)
     max_chars: int = field(default=1000, repr=False)  # render()'s default cut: max_output_chars
+    error_format: str = field(default="full", repr=False)  # render()'s default: the tool's error_format
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
 
-    def render(self, max_chars: int | None = None) -> str:
+    def render(self, max_chars: int | None = None, error_format: str | None = None) -> str:
         """Text the model sees: the status word on the first line, then stdout, then stderr, the body cut in the
-        middle to max_chars. `print(2+2)` renders as "ok\\n4\\n"; a failure as "error\\n...ZeroDivisionError: x\\n"."""
+        middle to max_chars. `print(2+2)` renders as "ok\\n4\\n"; a failure as "error\\n...ZeroDivisionError: x\\n".
+        error_format (ERROR_FORMATS): "full" shows a failed call's stderr whole (the compact traceback); "last_line"
+        only its last line, the exception ("NameError: name 'x' is not defined"), as agent setups that cut
+        tracebacks to save context do. A successful call's stderr is always shown whole."""
+        error_format = error_format or self.error_format
+        if error_format not in ERROR_FORMATS:
+            raise ValueError(f"error_format must be one of {ERROR_FORMATS}, got {error_format!r}")
+        stderr = self.stderr
+        if error_format == "last_line" and not self.ok:
+            stderr = last_line(stderr)
         body = self.stdout
-        if self.stderr:
-            body += ("" if body.endswith("\n") or not body else "\n") + self.stderr
+        if stderr:
+            body += ("" if body.endswith("\n") or not body else "\n") + stderr
         return self.status + "\n" + cut_middle(body, self.max_chars if max_chars is None else max_chars)
+
+
+def last_line(text: str) -> str:
+    """The last non-blank line of text, with its newline ("" when there is none)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] + "\n" if lines else ""
 
 
 def cut_middle(text: str, max_chars: int) -> str:
@@ -391,8 +409,9 @@ class _Pool:
     not one each: fewer thread switches and GIL hand-offs in the caller per call."""
 
     def __init__(self, servers: list[_Server], limits: dict, max_chars: int, help_after: float,
-                 cores: int):
+                 cores: int, error_format: str = "full"):
         self.servers, self.limits, self.max_chars = servers, limits, max_chars
+        self.error_format = error_format
         self.help_after, self.cores = help_after, cores
         self.lock, self.closed = threading.Lock(), False
         self.queues = {"light": deque(), "heavy": deque()}
@@ -462,7 +481,7 @@ class _Pool:
 
     def _crash(self, future: Future | None, why: str) -> None:
         if future is not None and not future.done():
-            future.set_result(ToolResult("crash", "", why, 0.0, self.max_chars))
+            future.set_result(ToolResult("crash", "", why, 0.0, self.max_chars, self.error_format))
 
     def _restart(self, server: _Server, exc: Exception) -> None:
         """The pool's thread: the server died or hung; its call fails, a new server starts in its
@@ -517,7 +536,8 @@ class _Pool:
                         server.state = "idle"
                     # (callbacks run here, outside the lock)
                     if future is not None and not reply.get("ready"):
-                        future.set_result(ToolResult(**reply, max_chars=self.max_chars))
+                        future.set_result(ToolResult(**reply, max_chars=self.max_chars,
+                                                      error_format=self.error_format))
             now = time.monotonic()
             for server in self.servers:
                 if server.state == "failed":
@@ -582,8 +602,10 @@ class _Subprocesses:
     cap. Then the call's process group is killed (POSIX) and the outcome described as the servers
     do (code_sandbox.describe)."""
 
-    def __init__(self, workers: int, limits: dict, max_chars: int, env: dict):
+    def __init__(self, workers: int, limits: dict, max_chars: int, env: dict,
+                 error_format: str = "full"):
         self.limits, self.max_chars, self.env = limits, max_chars, env
+        self.error_format = error_format
         self.lock, self.closed = threading.Lock(), False
         self.running = {}  # Popen -> {"deadline", "outputs" (paths), "reason" it was killed for}
         self.changed = threading.Condition(self.lock)  # a call started, or the backend closed
@@ -616,7 +638,7 @@ class _Subprocesses:
             fields = {"status": "crash", "stdout": "", "stderr": f"code tool failed: {exc}\n"}
         finally:
             shutil.rmtree(call_dir, ignore_errors=True)
-        return ToolResult(**fields, max_chars=self.max_chars)
+        return ToolResult(**fields, max_chars=self.max_chars, error_format=self.error_format)
 
     def run_in(self, call_dir: str, request: dict) -> dict:
         path = {name: os.path.join(call_dir, name)
@@ -710,7 +732,8 @@ class CodeTool:
 
     workers: calls running at once (default_workers()); timeout: wall-clock seconds per call;
     memory_mb: address space a call may add to the interpreter's (servers: a warm one; subprocess: a
-    fresh one); max_output_chars: ToolResult.render()'s default cut; max_output_bytes: bytes read
+    fresh one); max_output_chars: ToolResult.render()'s default cut; error_format: its default
+    form of a failed call (ERROR_FORMATS: the "full" traceback or its "last_line"); max_output_bytes: bytes read
     per stream before the call is killed as "output_limit"; preload: modules each server imports
     once; light_workers: how many servers preload only its standard-library part (default half of
     them, when preload has more than that and workers >= 2). Calls that import nothing beyond the
@@ -722,7 +745,9 @@ class CodeTool:
     def __init__(self, workers: int | None = None, timeout: float = 4.0, memory_mb: int = 512,
                  max_output_chars: int = 1000, max_output_bytes: int = 1 << 20,
                  preload: tuple = PRELOAD, light_workers: int | None = None, backend: str = "auto",
-                 require_isolation: bool = False):
+                 require_isolation: bool = False, error_format: str = "full"):
+        if error_format not in ERROR_FORMATS:
+            raise ValueError(f"error_format must be one of {ERROR_FORMATS}, got {error_format!r}")
         self.workers, self.timeout = workers or default_workers(), timeout
         sandbox = choose_sandbox(backend, require_isolation)
         self.sandbox, self.sandbox_line = sandbox.mode, sandbox.line()
@@ -735,14 +760,14 @@ class CodeTool:
         limits = {"timeout": timeout, "memory_mb": memory_mb, "max_bytes": max_output_bytes}
         if self.backend == "subprocess":
             self.light_workers = 0
-            self._backend = _Subprocesses(self.workers, limits, max_output_chars, env)
+            self._backend = _Subprocesses(self.workers, limits, max_output_chars, env, error_format)
         else:
             light = [m for m in preload if m in sys.stdlib_module_names]
             wanted = self.workers // 2 if light_workers is None else light_workers
             self.light_workers = 0 if len(light) == len(preload) else \
                 max(0, min(self.workers - 1, wanted))
             self._backend = self._pool(sandbox, env, (tuple(light), preload), limits,
-                                       max_output_chars)
+                                       max_output_chars, error_format)
         # the backend and its threads hold no reference to self, so garbage collection can close it
         self._finalizer = weakref.finalize(self, self._backend.close)
         if self.backend == "servers":
@@ -757,7 +782,7 @@ class CodeTool:
             self._backend.thread.start()
 
     def _pool(self, sandbox: Sandbox, env: dict, preloads: tuple, limits: dict,
-              max_chars: int) -> _Pool:
+              max_chars: int, error_format: str) -> _Pool:
         """The servers (not started yet): the first light_workers preload preloads[0] (the standard
         library's part), the others preloads[1]."""
         serve = [*sandbox.prefix, sys.executable, SANDBOX_PY, "--serve"]
@@ -767,7 +792,7 @@ class CodeTool:
             modules = ",".join(preloads[kind == "heavy"])
             servers.append(_Server(serve + [modules, str(sandbox.scratch_mb)], env,
                                    sandbox.mode == "namespaces", kind))
-        return _Pool(servers, limits, max_chars, LIGHT_HELP_AFTER_S, os.cpu_count() or 1)
+        return _Pool(servers, limits, max_chars, LIGHT_HELP_AFTER_S, os.cpu_count() or 1, error_format)
 
     def submit(self, code: str, stdin: str = "") -> Future:
         """Queue one call; the Future resolves to its ToolResult (it never raises, nor waits past

@@ -104,6 +104,7 @@ class EvalConfig:
     tool_max_output_chars: int = 1000
     tool_backend: str = "auto"            # auto | servers (Linux) | subprocess (portable, slower)
     tool_require_isolation: bool = False  # refuse to start unless model code runs in namespaces
+    tool_error_format: str = "full"       # a failed call's text: full (compact traceback) | last_line (exception only)
     # --- vLLM (sampler=vllm only)
     vllm_tensor_parallel_size: int = 1
     vllm_gpu_memory_utilization: float = 0.9
@@ -127,6 +128,9 @@ def check_config(cfg: EvalConfig) -> None:
         problems.append(f"sampler must be hf or vllm, got {cfg.sampler!r}")
     if not cfg.model_path:
         problems.append("model_path is required")
+    from code_tool import ERROR_FORMATS
+    if cfg.tool_error_format not in ERROR_FORMATS:
+        problems.append(f"tool_error_format must be one of {ERROR_FORMATS}, got {cfg.tool_error_format!r}")
     if problems:
         raise SystemExit("config error: " + "; ".join(problems))
 
@@ -421,7 +425,7 @@ def run(cfg: EvalConfig) -> dict:
         fmt = chat_format(cfg.system_prompt, cfg.user_instruction)
         tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
                         max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
-                        require_isolation=cfg.tool_require_isolation)
+                        require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)
         default_pool().start()  # the answer checkers import sympy while the first rollouts run, not after them
         with tool, traj_file.open("a", encoding="utf-8") as f:
             for name, problems in todo:

@@ -1,7 +1,7 @@
 """The built-in tiny task: synthetic integer arithmetic on which one correct Python call pays, plus its SFT data.
 
-This is the CPU-scale stand-in for the report's RL data (42K integer-answer math problems, section 6 of
-/work/shared/design/rstar2-agent.md) and for its non-reasoning SFT data. A ~1M-parameter character-level model
+This is the CPU-scale stand-in for the report's RL data (42K integer-answer math problems, its section on the
+training recipe) and for its non-reasoning SFT data. A ~1M-parameter character-level model
 cannot multiply a 3-digit by a 2-digit number in its head, but it can learn to copy the numbers into
 `print(347*89)` and the printed result into `\\boxed{}`: the tool truly pays, so RL has something to learn.
 
@@ -17,7 +17,7 @@ Splits, all drawn from one seeded generator and disjoint in problem text (each t
 - train_level1.jsonl, train_level2.jsonl: `n_train` problems each for the RL stages.
 
 The SFT data teaches the format, not the policy (the analogue of the report's non-reasoning SFT, which has no
-reasoning traces). Each conversation is one of three traces, in configurable fractions:
+reasoning traces). Each conversation is one of four traces, in configurable fractions:
 - "direct": no tool; the answer is the true one with probability `direct_correct`, else a near miss (one digit
   changed), because a tiny model answering from its head is mostly wrong;
 - "tool": one clean call, then the printed number as the answer;
@@ -26,19 +26,21 @@ reasoning traces). Each conversation is one of three traces, in configurable fra
 - "sloppy": one call that prints the result and then fails on a leftover line (`print(ans)`, a name never
   assigned), so the tool reports an error with its traceback, and the answer read from the printed number is
   still right.
-The sloppy traces are the tool noise the report's Resample-on-Correct exists for (rstar2-agent.md section 3): a
+The sloppy traces are the tool noise the report's Resample-on-Correct exists for (its section on GRPO-RoC): a
 rollout whose call failed yet whose answer is right earns the full reward, so plain GRPO has no reason to stop
-writing such calls, while RoC prefers the clean positives. Without them the tiny task has almost no such rollouts:
-a failed call here is nearly always followed by a failed answer (measured: 14% correct after an error against 73%
-after a clean call), and both GRPO and RoC drop errors within a few steps. With the sloppy traces the errors are
-cheaper, not free: the traceback puts ~120 characters between the printed number and the answer, which this model
-copies worse than the 5 characters after "ok\n". A leftover `exit(1)` (a 14-character "SystemExit: 1") would make
-them nearly free, but with that data SFT did not learn to copy in 1,500-2,000 steps in 4 of 4 runs, against step
-~850 with this one (docs/LOG.md, 2026-11-30).
+writing such calls, while RoC prefers the clean positives, but only where a failed call costs the answer little.
+With the defaults (full tracebacks) it costs some: at temperature 1.0 make tiny's SFT model answers 49% of
+rollouts with a failed call correctly against 74% with clean calls (69% after a sloppy call: the ~130-character
+traceback between the printed number and the answer is a longer copy than the 5 characters after "ok\n"), and
+only 17% when the output is cut to 120 characters in the middle, as configs/tiny/rl.yaml does (text SFT never
+showed; the model then drops digits of the number). The RoC ablation (ablation.py) therefore builds its own task
+with `error_format="last_line"` and more sloppy traces, where a failed call costs nothing (97% against 97%).
 Tool responses are produced by running every call through the real `CodeTool`, so SFT shows exactly the text a
-rollout would see, errors included. The thinking text is a few words: the decision ("Guess", "Tool", "Fix") on the
-first token after `<reason>`, which is what RL can move, then the problem's numbers restated, which keeps every copy
-the model must learn (problem -> thinking -> code, tool output -> answer) within a few tokens.
+rollout would see, errors included; `error_format` is the tool's (`CodeTool(error_format=...)`: the RL and eval
+configs must use the same, `tool_error_format`), and `sloppy_line` the sloppy traces' leftover line. The thinking
+text is a few words: the decision ("Guess", "Tool", "Fix") on the first token after `<reason>`, which is what RL
+can move, then the problem's numbers restated, which keeps every copy the model must learn (problem -> thinking ->
+code, tool output -> answer) within a few tokens.
 
 Left out: natural-language word problems, multi-call problems beyond one fix, and any answer that is not an
 integer. Run `python tiny_task.py runs/tiny/data [--seed 0 --n-train 2000 --n-test 100 --n-sft 4000]`.
@@ -47,7 +49,7 @@ import argparse
 import random
 from pathlib import Path
 
-from code_tool import BACKENDS, CodeTool
+from code_tool import BACKENDS, ERROR_FORMATS, CodeTool
 from data import write_jsonl
 from protocol import TOOL_NAME
 
@@ -138,7 +140,7 @@ def _answer(value: str, think: str = "") -> dict:
     return {"role": "assistant", "content": f"{think}</reason>\n<answer>\\boxed{{{value}}}</answer>"}
 
 
-def plan_trace(problem: dict, kind: str, rng, direct_correct: float) -> dict:
+def plan_trace(problem: dict, kind: str, rng, direct_correct: float, sloppy_line: str = SLOPPY_LINE) -> dict:
     """The trace before execution: {kind, problem, level, answer, note, guess, codes (the calls to run, in order)}."""
     plan = {"kind": kind} | {key: problem[key] for key in ("problem", "level", "answer", "note")}
     if kind == "direct":
@@ -149,7 +151,7 @@ def plan_trace(problem: dict, kind: str, rng, direct_correct: float) -> dict:
     elif kind == "fix":
         plan.update(codes=[buggy_code(problem["code"], rng), problem["code"]])
     elif kind == "sloppy":
-        plan.update(codes=[problem["code"] + "\n" + SLOPPY_LINE])
+        plan.update(codes=[problem["code"] + "\n" + sloppy_line])
     else:
         raise ValueError(f"unknown trace kind {kind!r}")
     return plan
@@ -186,12 +188,15 @@ def trace_kinds(n: int, mix: dict, rng) -> list[str]:
 # ------------------------------------------------------------------------------------------ the task files
 def write_task(out_dir, seed: int = 0, n_train: int = 2000, n_test: int = 100, n_sft: int = 4000,
                mix: dict | None = None, direct_correct: float = 0.2, sft_level2: float = 0.4,
-               workers: int = 2, tool_backend: str = "auto") -> dict:
+               workers: int = 2, tool_backend: str = "auto", error_format: str = "full",
+               sloppy_line: str = SLOPPY_LINE) -> dict:
     """Write test.jsonl, sft.jsonl, train_level1.jsonl and train_level2.jsonl under `out_dir`; same seed, same files.
 
     mix: trace-kind fractions for SFT (default DEFAULT_MIX); direct_correct: chance that a
     direct answer is the true one; sft_level2: fraction of SFT problems from level 2; tool_backend: the code
-    tool's backend (code_tool.BACKENDS), which renders the tool responses. Returns {split: path}."""
+    tool's backend (code_tool.BACKENDS), which renders the tool responses; error_format: how the tool renders a
+    failed call (code_tool.ERROR_FORMATS); sloppy_line: the leftover line that makes a sloppy call fail after
+    printing (it must raise). Returns {split: path}."""
     mix = mix or DEFAULT_MIX
     out = Path(out_dir)
     rng, seen = random.Random(seed), set()
@@ -199,11 +204,11 @@ def write_task(out_dir, seed: int = 0, n_train: int = 2000, n_test: int = 100, n
     sft_problems = [draw_problem(rng, 2 if rng.random() < sft_level2 else 1, seen) for _ in range(n_sft)]
     train = {level: [draw_problem(rng, level, seen) for _ in range(n_train)] for level in (1, 2)}
 
-    plans = [plan_trace(p, kind, rng, direct_correct)
+    plans = [plan_trace(p, kind, rng, direct_correct, sloppy_line)
              for p, kind in zip(sft_problems, trace_kinds(n_sft, mix, rng))]
     calls = [(code, "") for plan in plans for code in plan["codes"]]
     with CodeTool(workers=workers, timeout=TOOL_TIMEOUT_S, max_output_chars=TOOL_MAX_OUTPUT_CHARS,
-                  backend=tool_backend) as tool:
+                  backend=tool_backend, error_format=error_format) as tool:
         results = iter(tool.run_batch(calls))
     sft = [{"messages": build_messages(plan, [next(results) for _ in plan["codes"]]),
             "kind": plan["kind"], "level": plan["level"], "answer": plan["answer"]} for plan in plans]
@@ -230,10 +235,14 @@ def main(argv=None):
                         help="fraction of traces whose call prints the answer, then fails on a leftover line")
     parser.add_argument("--direct-correct", type=float, default=0.2, help="chance a direct answer is right")
     parser.add_argument("--tool-backend", default="auto", choices=BACKENDS, help="the code tool's backend")
+    parser.add_argument("--error-format", default="full", choices=ERROR_FORMATS,
+                        help="how the tool shows a failed call (the RL/eval tool_error_format must match)")
+    parser.add_argument("--sloppy-line", default=SLOPPY_LINE, help="the leftover line that fails a sloppy call")
     args = parser.parse_args(argv)
     paths = write_task(args.out_dir, seed=args.seed, n_train=args.n_train, n_test=args.n_test, n_sft=args.n_sft,
                        mix={"direct": args.direct, "tool": args.tool, "sloppy": args.sloppy, "fix": args.fix},
-                       direct_correct=args.direct_correct, tool_backend=args.tool_backend)
+                       direct_correct=args.direct_correct, tool_backend=args.tool_backend,
+                       error_format=args.error_format, sloppy_line=args.sloppy_line)
     for split, path in paths.items():
         print(f"{split:>13}: {path}")
 

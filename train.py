@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from checkpoint import (begin_run, latest_checkpoint, load_checkpoint, replace_dir, resume_point, run_identity,
                         save_checkpoint, staging_dir)
-from code_tool import CodeTool, SandboxError, announce, choose_sandbox
+from code_tool import ERROR_FORMATS, CodeTool, SandboxError, announce, choose_sandbox
 from config import check_ranges, format_config, parse_cli, save_config
 from data import check_model_path, load_problems
 from hf_sampler import HFSampler
@@ -110,6 +110,7 @@ class TrainConfig:
     tool_max_output_chars: int = 1000     # public code: 1,000 characters
     tool_backend: str = "auto"            # auto | servers (Linux) | subprocess (portable, slower)
     tool_require_isolation: bool = False  # refuse to start unless model code runs in namespaces
+    tool_error_format: str = "full"       # a failed call's text: full (compact traceback) | last_line (exception only)
     # --- optimizer (report section 4)
     lr: float = 1e-6                      # constant after warm-up
     warmup_steps: int = 20
@@ -185,6 +186,8 @@ def validate(cfg: TrainConfig, world: int) -> None:
     if cfg.vllm_tensor_parallel_size != 1:
         problems.append(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size}: only 1 is supported (one "
                         "engine per rank; tensor parallelism would need a rank group to submit the same requests)")
+    if cfg.tool_error_format not in ERROR_FORMATS:
+        problems.append(f"tool_error_format must be one of {ERROR_FORMATS}, got {cfg.tool_error_format!r}")
     if not cfg.data:
         problems.append("data: give at least one JSONL file of problems")
     if problems:
@@ -654,7 +657,7 @@ def setup(cfg: TrainConfig):
     run.handoff = verify_handoff(run, "at the start")
     run.tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
                         max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
-                        require_isolation=cfg.tool_require_isolation)
+                        require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)
     default_pool().start()  # the answer checkers import sympy while the first rollout runs, not after it
     return step, run
 

@@ -13,13 +13,14 @@ from train import TrainConfig
 
 def test_arms_differ_only_in_the_resampling_fields(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(ablation.subprocess, "run", lambda cmd, check: calls.append(cmd))
+    monkeypatch.setattr(ablation.subprocess, "run", lambda cmd, check, env: calls.append(cmd))
     args = argparse.Namespace(
-        root=str(tmp_path), sft="runs/tiny/sft/model", data="d.jsonl", eval_data="t.jsonl",
-        config="configs/tiny/stage1.yaml", steps=7, eval_every=5, eval_limit=100, eval_samples=2, override=["lr=1e-4"])
+        root=str(tmp_path), sft="runs/tiny/sft/model", data="task", config="configs/ablation/rl.yaml", steps=7,
+        eval_every=5, eval_limit=100, eval_samples=2, override=["lr=1e-4"])
     for arm in ablation.ARMS:
         ablation.run_arm(arm, 3, args)
     fields = [dict(a.split("=", 1) for a in cmd[3:]) for cmd in calls]
+    assert fields[0]["data"] == "[task/train_level1.jsonl]" and fields[0]["eval_data"] == "task/test.jsonl"
     assert [f["roc_mode"] for f in fields] == ["sample", "off", "lowest"]
     assert [(f["rollouts_per_prompt"], f["group_size"]) for f in fields] == [("8", "4"), ("4", "4"), ("8", "4")]
     same = [{k: v for k, v in f.items() if k not in ("roc_mode", "rollouts_per_prompt", "group_size", "out_dir")}
@@ -68,3 +69,57 @@ def test_report_reads_the_runs_and_writes_table_and_plots(tmp_path):
         assert (tmp_path / f"ablation_{name}.png").stat().st_size > 1000
     table = (tmp_path / "ablation.md").read_text()
     assert "| roc | 0.800 ± 0.141 [0.700, 0.900]" in table
+
+
+def _call(status):
+    return {"code": "print(1)", "status": status, "response": status + "\n"}
+
+
+def test_error_cost_splits_rollouts_by_what_their_calls_did():
+    records = [{"reward": 1.0, "tool_calls": [_call("ok")]},                       # clean, right
+               {"reward": 0.0, "tool_calls": [_call("ok"), _call("ok")]},          # clean, wrong
+               {"reward": 1.0, "tool_calls": [_call("error")]},                    # answered after a failure
+               {"reward": 0.0, "tool_calls": [_call("ok"), _call("timeout")]},     # answered after a failure
+               {"reward": 1.0, "tool_calls": [_call("parse_error"), _call("ok")]},  # fixed
+               {"reward": 0.0, "tool_calls": []}]
+    cost = ablation.error_cost(records)
+    assert {k: (v["n"], v["correct"]) for k, v in cost.items()} == {
+        "clean": (2, 1), "failed": (3, 2), "answered_after_failure": (2, 1), "fixed": (1, 1), "no_call": (1, 0)}
+    assert cost["failed"]["p"] == pytest.approx(2 / 3)
+    assert ablation.error_cost([])["clean"]["p"] is None
+
+
+def _rows(err: list[float], acc: float) -> list[dict]:
+    """One run's metrics: err+ per step, the held-out accuracy at the last step only."""
+    rows = [{"step": s, ablation.ERR: e} for s, e in enumerate(err, 1)]
+    rows[-1]["eval/accuracy"] = acc
+    return rows
+
+
+def test_window_mean_takes_the_first_or_the_last_steps_and_skips_missing():
+    rows = _rows([0.4, 0.2, float("nan"), 0.1, 0.3], 0.5)
+    assert ablation.window_mean(rows, ablation.ERR, first=2) == pytest.approx(0.3)
+    assert ablation.window_mean(rows, ablation.ERR, last=3) == pytest.approx(0.2)  # steps 3-5, step 3 is NaN
+    assert ablation.window_mean(rows, ablation.ERR, first=20) == pytest.approx(0.25)
+
+
+def test_check_finding_on_hand_made_metrics():
+    flat, falling = [0.2] * 5 + [0.15] * 10, [0.2] * 5 + [0.05] * 10  # 15 steps: first 5, last 10
+    runs = {"roc": [_rows(falling, 0.80), _rows([x * 0.8 for x in falling], 0.84)],
+            "grpo": [_rows(flat, 0.78), _rows([x * 1.2 for x in flat], 0.86)]}
+    checks = ablation.check_finding(runs)
+    assert [c["ok"] for c in checks] == [True, True, True, True]
+    assert checks[0]["value"] == "0.165 vs 0.045 (3.7x)"  # GRPO (0.15 + 0.18) / 2, RoC (0.05 + 0.04) / 2
+
+    # GRPO only 1.4x RoC on average, and one GRPO seed below one RoC seed
+    runs["grpo"] = [_rows([0.2] * 5 + [0.03] * 10, 0.78), _rows([0.2] * 5 + [0.1] * 10, 0.86)]
+    oks = [c["ok"] for c in ablation.check_finding(runs)]
+    assert oks[:2] == [False, False]
+    # GRPO falls away: its last 10 steps under half its first 5 (still 2x RoC, every seed above)
+    runs = {"roc": [_rows([0.9] * 5 + [0.01] * 10, 0.8)] * 2, "grpo": [_rows([0.9] * 5 + [0.1] * 10, 0.8)] * 2}
+    assert [c["ok"] for c in ablation.check_finding(runs)] == [True, True, False, True]
+    # RoC's accuracy below GRPO's by more than the larger seed standard deviation
+    runs = {"roc": [_rows(falling, 0.60), _rows(falling, 0.64)], "grpo": [_rows(flat, 0.78), _rows(flat, 0.86)]}
+    checks = ablation.check_finding(runs)
+    assert [c["ok"] for c in checks] == [True, True, True, False]
+    assert checks[3]["value"] == "0.620 vs 0.820, spread 0.057"

@@ -103,6 +103,33 @@ def test_cut_middle_and_render_by_hand():
     assert ToolResult("ok").ok and not ToolResult("error").ok
 
 
+def test_last_line_error_format_by_hand():
+    trace = 'Traceback (most recent call last):\n  File "<code>", line 2, in <module>\n    print(ans)\n' \
+            "NameError: name 'ans' is not defined\n"
+    failed = ToolResult("error", "30883\n", trace)
+    assert failed.render() == "error\n30883\n" + trace  # the default is unchanged: the whole traceback
+    short = "error\n30883\nNameError: name 'ans' is not defined\n"
+    assert failed.render(error_format="last_line") == short
+    assert ToolResult("error", "30883\n", trace, error_format="last_line").render() == short
+    assert ToolResult("error", "30883\n", trace, error_format="last_line").render(error_format="full") != short
+    # a successful call's stderr (warnings the code wrote) is shown whole; blank trailing lines are skipped
+    assert ToolResult("ok", "1\n", "w1\nw2\n", error_format="last_line").render() == "ok\n1\nw1\nw2\n"
+    assert ToolResult("timeout", "", "killed after 1 s\n\n").render(error_format="last_line") == \
+        "timeout\nkilled after 1 s\n"
+    assert ToolResult("error").render(error_format="last_line") == "error\n"
+    with pytest.raises(ValueError, match="error_format"):
+        failed.render(error_format="short")
+
+
+def test_the_tool_renders_its_error_format():
+    with CodeTool(workers=1, timeout=TIMEOUT, preload=LIGHT, error_format="last_line") as t:
+        assert t.run("print(12)\nprint(ans)").render() == "error\n12\nNameError: name 'ans' is not defined\n"
+        assert t.run("print(3").render() == "error\nSyntaxError: '(' was never closed\n"
+        assert t.run("x = [1]\nx[3]").render(error_format="full").startswith("error\nTraceback")
+    with pytest.raises(ValueError, match="error_format"):
+        CodeTool(workers=1, preload=LIGHT, error_format="short")
+
+
 def test_print_renders_compactly(tool):
     result = tool.run("print(2+2)")
     assert (result.status, result.stdout, result.stderr) == ("ok", "4\n", "")

@@ -338,3 +338,9 @@ def test_an_interrupted_evaluation_continues_with_its_unfinished_benchmarks(tmp_
     assert records == [json.loads(x) for x in (tmp_path / "straight" / "trajectories.jsonl").read_text().splitlines()]
     # The stage-3 data covers both benchmarks, the one finished before the interruption included.
     assert [json.loads(x) for x in (tmp_path / "unsolved.jsonl").read_text().splitlines()] == PROBLEMS[1:]
+
+
+def test_unknown_tool_error_format_is_a_config_error(tmp_path):
+    import eval as ev
+    with pytest.raises(SystemExit, match="tool_error_format must be one of"):
+        ev.main(["configs/tiny/eval.yaml", "model_path=x", "tool_error_format=short", f"out_dir={tmp_path}"])

@@ -130,3 +130,21 @@ def test_near_miss_and_buggy_code_are_plausible_but_wrong():
     with CodeTool(workers=2) as tool:
         assert all(r.status == "error" for r in tool.run_batch([(b, "") for b in bugs]))
     assert len(set(bugs)) >= 6
+
+
+def test_error_format_and_sloppy_line_reach_the_sft_tool_text(tmp_path):
+    paths = write_task(tmp_path / "short", seed=3, mix=MIX, error_format="last_line", sloppy_line="exit(1)", **SIZES)
+    default = write_task(tmp_path / "default", seed=3, mix=MIX, **SIZES)
+    for split in ("test", "train_level1", "train_level2"):  # the problems do not depend on the tool's rendering
+        assert paths[split].read_text() == default[split].read_text()
+    rows = _sft(paths)
+    sloppy = [r for r in rows if r["kind"] == "sloppy"]
+    fix = [r for r in rows if r["kind"] == "fix"]
+    assert sloppy and fix
+    for r in sloppy:
+        assert r["messages"][1]["tool_calls"][0]["function"]["arguments"]["code"].endswith("\nexit(1)")
+        assert r["messages"][2]["content"] == f"error\n{r['answer']}\nSystemExit: 1\n"
+    for r in fix:  # one line: the exception, no traceback
+        shown = r["messages"][2]["content"]
+        assert shown.startswith("error\n") and shown.count("\n") == 2 and "Traceback" not in shown
+        assert re.search(r"^error\n(SyntaxError|NameError|TypeError): ", shown)

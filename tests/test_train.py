@@ -228,6 +228,7 @@ def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkey
     (["max_prompt_tokens=10"], "over max_prompt_tokens=10"),
     (["rollouts_per_prompt=3", "group_size=4"], "group_size <= rollouts_per_prompt"),
     (["roc_mode=best"], "roc_mode must be"),
+    (["tool_error_format=short"], "tool_error_format must be one of"),
     (["group_sise=4"], "unknown config key 'group_sise'"),
     (["sampler=vllm", "vllm_tensor_parallel_size=2"], "vllm_tensor_parallel_size=2: only 1 is supported"),
     (["tool_backend=docker"], "config error: tool_backend must be one of auto, servers, subprocess, got 'docker'$"),
