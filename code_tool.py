@@ -1,4 +1,4 @@
-"""The model's only tool, `execute_python_code_with_standard_io(code, input)` (report sec. 2, 5).
+"""The model's only tool, `execute_python_code_with_standard_io(code, input)` (report §2 and §3).
 
 Each call runs `code` in a fresh interpreter state with `input` on stdin and returns what a notebook
 shows: stdout; if nothing was printed and the code ends in a bare expression other than None, that

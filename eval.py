@@ -95,7 +95,7 @@ class EvalConfig:
     limit: int = 0                        # first N problems of each benchmark (0: all), for quick runs
     seed: int = 0
     torch_threads: int = 0                # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
-    unsolved_out: str | None = None       # write problems solved < k of k times here (stage-3 data, report sec. 6)
+    unsolved_out: str | None = None       # write problems solved < k of k times here (stage-3 data, report §4)
     overwrite: bool = False               # replace an evaluation of another config or model found in out_dir
     # --- code tool (report §3; public code: 4 s, 1,000 chars)
     tool_workers: int = 4

@@ -15,7 +15,7 @@ Report", arXiv 2508.20722, §2; in our words: docs/method.md, section 3):
    data-parallel ranks add up to exactly the big-batch gradient (verl only approximates this per
    micro-batch). `sequence_mean_policy_loss` is the original GRPO aggregation, for ablations.
 
-Report vs public code (docs/method.md, section 8), as offered here:
+Report vs public code (docs/method.md §8), as offered here:
 - RoC selection: mode="sample" (report, default) or mode="lowest" (public code: positives by lowest
   penalty, ties by rollout order; negatives the first k in rollout order). Counts: Python's round (ties to
   even) as the public code uses, so both modes keep the public code's counts when keep = 2G / 2 with G even

@@ -1,6 +1,6 @@
 """HFSampler: continuous batching on a transformers causal LM with our own decode loop (the tiny CPU pipeline, or
 one GPU for small runs). It implements the interface of sampler.py (`add` / `step` / `has_work` / `generate`,
-`update_weights`, `score`); the rollout drives it through that interface (report sections 2 and 8).
+`update_weights`, `score`); the rollout drives it through that interface (report §2 and §3).
 
 Why not `model.generate`: a rollout calls the sampler once per turn, and `generate` would re-read the whole
 conversation each time, keep computing finished rows until the last row of its batch ends, wait for the longest

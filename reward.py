@@ -565,7 +565,7 @@ def is_equivalent(pred, gold, pool: CheckPool | None = None) -> bool:
 
 def compute_reward(response: str, gold, pool: CheckPool | None = None) -> float:
     """r = 1.0 if the last boxed answer in the model's own text is equivalent to `gold` (a str, or a number as
-    `check` takes it), else 0.0 (report sec. 3)."""
+    `check` takes it), else 0.0 (report §2)."""
     return 1.0 if check(extract_answer(response), gold, pool).correct else 0.0
 
 

@@ -25,7 +25,7 @@ Ranks keep different numbers of rollouts after dropping equal groups, so the num
 first and ranks with fewer run empty (mask-0) micro-batches: every rank joins every collective.
 
 Not here: a KL term or reference model, an entropy bonus (see grpo_roc.py); the report's load-balancing rollout
-balancer across engines (design section 8); within a rank, rollout.py batches continuously and dispatches each tool
+balancer across engines (report §3); within a rank, rollout.py batches continuously and dispatches each tool
 call the moment its turn ends.
 """
 import contextlib
@@ -79,7 +79,7 @@ class TrainConfig:
     gpus_per_node: int = 8                # for dry_run only: GPUs per node (the launch configs shard within one)
     gpu_memory_gb: float = 141.0          # for dry_run only: memory of one GPU (H200: 141 GB, MI300X: 192 GB)
     model_shape: str = ""                 # for dry_run only, before model_path exists: qwen3-0.6b | 1.7b | 14b
-    # --- GRPO-RoC (report section 4)
+    # --- GRPO-RoC (report §2)
     prompts_per_step: int = 512           # B (over all ranks)
     rollouts_per_prompt: int = 32         # 2G sampled per prompt
     group_size: int = 16                  # G kept per prompt after RoC
@@ -88,7 +88,7 @@ class TrainConfig:
     clip_low: float = 0.2                 # epsilon_low
     clip_high: float = 0.28               # epsilon_high (clip-higher)
     dual_clip: float | None = None        # verl's 3.0 for A < 0; not in the report
-    # --- rollout (report sections 2 and 6)
+    # --- rollout (report §2 and §4)
     max_response_tokens: int = 8192       # total response budget: 8K / 12K / 12K in stages 1 / 2 / 3
     max_turns: int = 10                   # assistant turns: 10 / 10 / 15 in stages 1 / 2 / 3
     max_prompt_tokens: int = 2048         # a longer rendered prompt is an input error
@@ -103,7 +103,7 @@ class TrainConfig:
     vllm_tensor_parallel_size: int = 1    # only 1: one single-device engine per rank
     vllm_dtype: str = "bfloat16"          # the engine's weights and activations (float32 for the tiny CPU runs)
     vllm_enforce_eager: bool = False      # no CUDA graphs / torch.compile (faster start; the CPU build's tests)
-    # --- code tool (report section 5)
+    # --- code tool (report §3)
     tool_workers: int = 4
     tool_timeout: float = 4.0             # seconds per call (public code: 4 s)
     tool_memory_mb: int = 512
@@ -111,7 +111,7 @@ class TrainConfig:
     tool_backend: str = "auto"            # auto | servers (Linux) | subprocess (portable, slower)
     tool_require_isolation: bool = False  # refuse to start unless model code runs in namespaces
     tool_error_format: str = "full"       # a failed call's text: full (compact traceback) | last_line (exception only)
-    # --- optimizer (report section 4)
+    # --- optimizer (report §4)
     lr: float = 1e-6                      # constant after warm-up
     warmup_steps: int = 20
     weight_decay: float = 0.01
@@ -632,7 +632,7 @@ def setup(cfg: TrainConfig):
         model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
-    # lr_t = lr * min(1, (t + 1) / warmup_steps): linear warm-up, then constant (report section 4)
+    # lr_t = lr * min(1, (t + 1) / warmup_steps): linear warm-up, then constant (report §4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / max(cfg.warmup_steps, 1)))
     if acc.distributed_type == DistributedType.FSDP and not acc.is_fsdp2:
         raise SystemExit("config error: train.py shards with FSDP2: set fsdp_version: 2 in the Accelerate config "
