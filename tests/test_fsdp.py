@@ -32,9 +32,9 @@ def tiny(tmp_path_factory):
 
 
 def train_args(tiny, out, steps):
-    # micro_batch_size 8 = one rank's kept rollouts (2 prompts x G = 4), so the two ranks' micro-batches are the
-    # single process's two; the clip is off (1e6) because the gradient norm's sum over shards runs in another
-    # order: with those two, the update is the same arithmetic on every element, and the weights agree exactly.
+    # micro_batch_size 8 = one rank's kept rollouts (2 prompts x G = 4); the clip is off (1e6), since the gradient
+    # norm's sum over shards runs in another order. The single process still sums its gradient in another order
+    # (its micro-batches are sorted by length across both ranks' rollouts), so the runs agree to rounding.
     return ["configs/tiny/stage1.yaml", f"model_path={tiny / 'base'}", f"data=[{tiny / 'say.jsonl'}]",
             f"out_dir={out}", "prompts_per_step=4", "rollouts_per_prompt=8", "group_size=4", f"steps={steps}",
             "eval_data=null", "save_every=1", "max_response_tokens=96", "lr=1e-2", "warmup_steps=2",
@@ -57,13 +57,14 @@ def stage1(tiny, tmp_path_factory):
     return root / "one", root / "fsdp"
 
 
-def assert_samplers_equal(reference: dict, run_dir: Path) -> None:
-    """Each rank's sampler holds exactly `reference` (max difference 0)."""
+def sampler_gap(reference: dict, run_dir: Path) -> float:
+    """The largest difference between `reference` and the weights either rank's sampler holds."""
+    gaps = []
     for rank in (0, 1):
         sampler = torch.load(run_dir / f"sampler{rank}.pt")
         assert sampler.keys() == reference.keys()
-        for name in reference:
-            assert torch.equal(sampler[name], reference[name]), (rank, name)
+        gaps += [(sampler[name] - reference[name]).abs().max().item() for name in reference]
+    return max(gaps)
 
 
 def test_each_fsdp_rank_s_sampler_gets_exactly_the_weights_of_one_process(tiny, stage1):
@@ -72,10 +73,9 @@ def test_each_fsdp_rank_s_sampler_gets_exactly_the_weights_of_one_process(tiny, 
     reference = torch.load(one / "sampler0.pt")  # one process, no FSDP: the sampler's copy of the trainer
     start = AutoModelForCausalLM.from_pretrained(tiny / "base").state_dict()
     assert max((reference[k] - start[k]).abs().max().item() for k in reference) > 1e-3  # training moved them
-    assert_samplers_equal(reference, two)  # the gathered weights, bit for bit
     saved = AutoModelForCausalLM.from_pretrained(two / "model").state_dict()  # Accelerate's full state dict
-    for name in reference:
-        assert torch.equal(saved[name], reference[name]), name
+    assert sampler_gap(saved, two) == 0  # each rank's sampler: the gathered weights, bit for bit
+    assert sampler_gap(reference, two) < 1e-5  # and those are one process's update, to rounding
 
 
 def test_stage_2_carries_the_sharded_adamw_state_like_one_process(tiny, stage1, tmp_path):
@@ -92,8 +92,9 @@ def test_stage_2_carries_the_sharded_adamw_state_like_one_process(tiny, stage1, 
     fresh = run([sys.executable], {**ENV, "ARGS": train_args(tiny, tmp_path / "fresh", 1) + carry})
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     other = torch.load(tmp_path / "fresh" / "sampler0.pt")
-    assert any(not torch.equal(other[k], reference[k]) for k in reference)  # the carried state matters
-    assert_samplers_equal(reference, tmp_path / "fsdp")
+    carried = sampler_gap(reference, tmp_path / "fsdp")
+    assert carried < 1e-5  # one process's step, to rounding ...
+    assert max((other[k] - reference[k]).abs().max().item() for k in reference) > 100 * carried  # ... state matters
 
 
 def test_a_skipped_gather_is_caught_by_the_hand_off_check(tiny, tmp_path):
