@@ -32,9 +32,9 @@ writing such calls, while RoC prefers the clean positives, but only where a fail
 With the defaults (full tracebacks) it costs some: at temperature 1.0 make tiny's SFT model answers 49% of
 rollouts with a failed call correctly against 74% with clean calls (69% after a sloppy call: the ~130-character
 traceback between the printed number and the answer is a longer copy than the 5 characters after "ok\n"), and
-only 17% when the output is cut to 120 characters in the middle, as configs/tiny/rl.yaml does (text SFT never
-showed; the model then drops digits of the number). The RoC ablation (ablation.py) therefore builds its own task
-with `error_format="last_line"` and more sloppy traces, where a failed call costs nothing (97% against 97%).
+only 17% when the output is cut to 120 characters in the middle (text SFT never showed; the model then drops digits
+of the number): the RL configs must render as this script does. The RoC ablation (ablation.py) therefore builds its
+own task with `error_format="last_line"` and more sloppy traces, where a failed call costs nothing (97% against 97%).
 Tool responses are produced by running every call through the real `CodeTool`, so SFT shows exactly the text a
 rollout would see, errors included; `error_format` is the tool's (`CodeTool(error_format=...)`: the RL and eval
 configs must use the same, `tool_error_format`), and `sloppy_line` the sloppy traces' leftover line. The thinking
