@@ -32,7 +32,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

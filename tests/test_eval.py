@@ -3,7 +3,6 @@ real run of the tiny model on AIME problems."""
 import itertools
 import json
 import math
-import sys
 from fractions import Fraction
 
 import pytest

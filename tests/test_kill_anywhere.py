@@ -137,7 +137,7 @@ def assert_same_weights(a: Path, b: Path):
 
 def timed(runner, name, args, out, events, total: int) -> float:
     """Run to the end without a kill; returns the seconds from its first event to its last, per event."""
-    output, t0, seen = out.with_name(f"{out.name}.txt"), time.perf_counter(), []
+    output, seen = out.with_name(f"{out.name}.txt"), []
     runner.start(name, args, output)
     while not runner.ended(0.005):
         if events(out) > len(seen):
