@@ -1,5 +1,5 @@
 """What a run needs on each GPU, on paper: public model shapes, a memory estimate per GPU, and where each rank's
-sampler engine runs. `python train.py CONFIG dry_run=true world_size=64` prints both (README: memory plan).
+sampler engine runs. `python train.py CONFIG dry_run=true world_size=64` prints both (memory_plan.py).
 
 Everything here is arithmetic on numbers (no torch, no model), so a 64-GPU plan can be checked on a laptop and each
 term checked by hand. GB = 10^9 bytes. The estimate follows what train.py does:

@@ -1,7 +1,7 @@
 """CI's short version of `make tiny`: every entry point for a few steps, on the real tiny model and task; and the
 pipeline's rule for what is done: a step's marker, never the mere presence of its outputs.
 
-The learning claim itself (RL gains over SFT) needs the full run (README: Results); policy change under the RL update
+The learning claim itself (RL gains over SFT) needs the full run (README: What you will see); policy change under the RL update
 is asserted by tests/test_train.py on scripted rollouts, since a few-step SFT model rarely answers correctly."""
 import json
 import os
