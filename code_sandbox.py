@@ -5,7 +5,7 @@ A worker server is one long-lived Python (`python code_sandbox.py --serve MODULE
 started by CodeTool, as init of its own namespaces where `unshare` works. It imports MODULES once,
 then answers one JSON request line per call on stdin with one JSON reply line on stdout: it forks a
 call child in a fresh directory under BASE, watches it from outside (wall clock, output bytes),
-kills whatever the call left behind, and describes the outcome. The child confines itself (session,
+kills whatever the call left behind, and describes the outcome. The child confines itself (setsid,
 rlimits, uid drop when root, fresh directory), runs the code as a notebook cell and exits. In its
 own mount namespace the server first covers BASE with a tmpfs of SCRATCH_MB, so the files of a call
 hold at most that much RAM.

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import yaml
 
+from checkpoint import atomic_write_text
 from code_tool import BACKENDS, announce, choose_sandbox
 from report import write_compare
 
@@ -88,10 +89,10 @@ def step(out: Path, cmd: list[str], after: list[Path] = (), commands: "Commands 
         shutil.rmtree(out.with_name(out.name + ".previous"), ignore_errors=True)
         os.replace(out, out.with_name(out.name + ".previous"))
     out.mkdir(parents=True, exist_ok=True)
-    _write(marker, {"record": record, "finished": None})
+    atomic_write_text(marker, json.dumps({"record": record, "finished": None}, indent=1))
 
     def finished():  # the time: a redone step has a new marker hash
-        _write(marker, {"record": record, "finished": time.time()})
+        atomic_write_text(marker, json.dumps({"record": record, "finished": time.time()}, indent=1))
     if commands is None:
         print("\n$ " + " ".join(cmd), flush=True)
         subprocess.run([sys.executable] + cmd, check=True)
@@ -101,12 +102,6 @@ def step(out: Path, cmd: list[str], after: list[Path] = (), commands: "Commands 
     else:
         commands.run(out.name, cmd, finished)
     return marker
-
-
-def _write(path: Path, obj) -> None:
-    """Write JSON whole or not at all (a kill leaves the old file)."""
-    path.with_suffix(".tmp").write_text(json.dumps(obj, indent=1))
-    os.replace(path.with_suffix(".tmp"), path)
 
 
 class Commands:
@@ -313,7 +308,7 @@ def main(argv=None) -> None:
     wall = time.perf_counter() - commands.start
     summary = {**summarize(results, wall), "tool_sandbox": sandbox}
     summary["phases"], times = time_table(root, commands.phases, wall)
-    _write(root / "summary.json", summary)
+    atomic_write_text(root / "summary.json", json.dumps(summary, indent=1))
     plot_stages(results, root / "summary.png")
     compare = write_compare(root / "eval_sft", root / "eval_stage3", root / "compare_sft_stage3.html")
     print("\n" + table(results))

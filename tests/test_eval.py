@@ -12,6 +12,7 @@ from config import load_config
 from protocol import IM_END, format_tool_call
 from rollout import ToolCallRecord, Trajectory
 from sampler import Completion, TurnSampler
+from stops import Stop
 from tiny_model import build_tiny, build_tokenizer
 
 TOK = build_tokenizer()
@@ -257,10 +258,6 @@ def test_missing_model_is_an_input_error_before_any_work(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ the output folder
-class Stop(BaseException):
-    """The process stops here, as at a kill (not an Exception: nothing on the way may catch it)."""
-
-
 class CrashOn(ScriptedSampler):
     """The scripted sampler, but the process 'dies' at the first prompt of problem `problem`."""
 

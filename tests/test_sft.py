@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from config import load_config
 from protocol import IM_END, TOOL_NAME, chat_format, format_tool_call
 from sft import IGNORE, LengthGroupedBatches, SFTConfig, build_examples, build_labels, collate, lr_factor, masked_lm_loss, train
+from stops import Stop, save_dies_halfway
 from tiny_model import build_tiny, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,10 +276,6 @@ def test_two_ranks_match_one_rank_with_gradient_accumulation(tiny, tmp_path):
 
 
 # ----------------------------------------------------------------------------------- runs never lose data
-class Stop(BaseException):
-    """The process stops here, as at a kill (not an Exception: nothing on the way may catch it)."""
-
-
 def _cfg(tiny, out, **kw):
     root, base, data = tiny
     return SFTConfig(**{"model_path": str(base), "data": str(data), "out_dir": str(out), "epochs": 2, "lr": 3e-3,
@@ -317,11 +314,7 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_over_with_its_log_kept
 def test_the_saved_model_folder_is_whole_or_absent(tiny, tmp_path, monkeypatch, one_torch_thread):
     from transformers import PreTrainedModel
 
-    def dies_halfway(self, folder, **kw):  # what a kill inside save_pretrained leaves: config.json, no weights
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        self.config.save_pretrained(folder)
-        raise Stop
-    monkeypatch.setattr(PreTrainedModel, "save_pretrained", dies_halfway)
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", save_dies_halfway)
     with pytest.raises(Stop):
         train(_cfg(tiny, tmp_path / "run", max_steps=1))
     assert not (tmp_path / "run" / "model").exists()

@@ -1,7 +1,6 @@
 """train.py: the step's plumbing (data order, masks, exact normaliser), the entry point end to end with a scripted
 policy on the real tiny model, input errors, the dry-run plan, and the run-folder rules."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from data import write_jsonl
 from protocol import chat_format
 from rollout import rollout
 from scripted_policy import ScriptedSampler, say_problems
+from stops import Stop, save_dies_halfway
 from tiny_model import build_tiny
 
 
@@ -246,10 +246,6 @@ def test_dry_run_prints_the_plan_for_64_gpus_without_a_model(capsys):
 
 
 # ------------------------------------------------------------------------------------------ runs never lose data
-class Stop(BaseException):
-    """The process stops here, as at a kill (not an Exception: nothing on the way may catch it)."""
-
-
 def scripted(monkeypatch):
     monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: ScriptedSampler(model, tok))
 
@@ -308,11 +304,7 @@ def test_the_final_model_folder_is_whole_or_absent(tiny, tmp_path, monkeypatch):
     out = tmp_path / "run"
     real = PreTrainedModel.save_pretrained
 
-    def dies_halfway(self, folder, **kw):  # what a kill inside save_pretrained leaves: config.json, no weights
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        self.config.save_pretrained(folder)
-        raise Stop
-    monkeypatch.setattr(PreTrainedModel, "save_pretrained", dies_halfway)
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", save_dies_halfway)
     with pytest.raises(Stop):
         train.main(args(tiny, out))
     assert not (out / "model").exists()
