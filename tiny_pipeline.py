@@ -84,6 +84,8 @@ def step(out: Path, cmd: list[str], after: list[Path] = (), commands: "Commands 
     saved = json.loads(marker.read_text()) if marker.is_file() else None
     if saved and saved["record"] == record and saved["finished"]:
         print(f"done: {out} (step.json)")
+        if commands is not None:
+            commands.kept.append(out.name)
         return marker
     if out.exists() and (saved is None or saved["record"] != record):  # made by another command: set it aside
         shutil.rmtree(out.with_name(out.name + ".previous"), ignore_errors=True)
@@ -111,6 +113,7 @@ class Commands:
 
     def __init__(self):
         self.start, self.phases, self.background, self.failures = time.perf_counter(), {}, [], []
+        self.kept = []  # the steps found done (their step.json) and not run again
 
     def run(self, name: str, cmd: list[str], on_success=lambda: None) -> None:
         print("\n$ " + " ".join(cmd), flush=True)
@@ -160,7 +163,7 @@ class Commands:
 def evaluate(root: Path, name: str, model: Path, quick: bool, engine: list[str], commands: Commands,
              beside: bool) -> None:
     """eval.py on the held-out split for one stage's model (`model`: that step's marker); `eval_results` reads it.
-    engine: overrides for every train.py and eval.py run (the tool's backend, the sampler)."""
+    engine: overrides for every train.py and eval.py run (the tool's backend, the sampler, seed and threads)."""
     out = root / f"eval_{name}"
     step(out, ["eval.py", "configs/tiny/eval.yaml", f"model_path={root / name / 'model'}", f"out_dir={out}",
                f"benchmarks=[{root / 'data' / 'test.jsonl'}]", *engine] + (QUICK["eval"] if quick else []),
@@ -172,14 +175,18 @@ def eval_results(root: Path, name: str) -> dict:
     return next(iter(json.loads((root / f"eval_{name}" / "results.json").read_text())["benchmarks"].values()))
 
 
-def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto", sampler: str = "hf") -> dict:
+def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto", sampler: str = "hf",
+             seed: int = 0, threads: int | None = None) -> dict:
+    """Every step into `root`; `seed` seeds the model's initialisation, the task's data, SFT, each RL stage and
+    each evaluation; `threads`, when given, is every command's torch_threads (else the configs' own)."""
     data = root / "data"
-    engine = [f"tool_backend={backend}"] + (VLLM if sampler == "vllm" else [])
-    base = step(root / "base", ["tiny_model.py", str(root / "base")], commands=commands)
-    task = step(data, ["tiny_task.py", str(data), "--tool-backend", backend] + (QUICK["task"] if quick else []),
-                commands=commands)
+    common = [f"seed={seed}"] + ([f"torch_threads={threads}"] if threads is not None else [])
+    engine = [f"tool_backend={backend}", *common] + (VLLM if sampler == "vllm" else [])
+    base = step(root / "base", ["tiny_model.py", str(root / "base"), "--seed", str(seed)], commands=commands)
+    task = step(data, ["tiny_task.py", str(data), "--tool-backend", backend, "--seed", str(seed)]
+                + (QUICK["task"] if quick else []), commands=commands)
     done = {"sft": step(root / "sft", ["sft.py", "configs/tiny/sft.yaml", f"model_path={root / 'base'}",
-                                       f"data={data / 'sft.jsonl'}", f"out_dir={root / 'sft'}"]
+                                       f"data={data / 'sft.jsonl'}", f"out_dir={root / 'sft'}", *common]
                         + (QUICK["sft"] if quick else []), after=[base, task], commands=commands)}
     stage_data = {1: [data / "train_level1.jsonl"], 2: [data / "train_level1.jsonl", data / "train_level2.jsonl"],
                   3: [data / "stage3.jsonl"]}
@@ -290,23 +297,63 @@ def plot_stages(results: dict, png) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default="runs/tiny", help="run folder (default runs/tiny)")
-    parser.add_argument("--quick", action="store_true", help="a few steps of each entry point")
-    parser.add_argument("--fresh", action="store_true", help="delete the run folder first")
-    parser.add_argument("--tool-backend", default="auto", choices=BACKENDS,
-                        help="the code tool's backend: auto, servers (Linux) or subprocess (portable)")
-    parser.add_argument("--sampler", choices=["hf", "vllm"], default="hf", help="rollout engine (default hf)")
-    args = parser.parse_args(argv)
-    sandbox = announce(choose_sandbox(args.tool_backend))  # what model code can reach, said once
-    root = Path(args.root)
-    if args.fresh:
-        shutil.rmtree(root, ignore_errors=True)
+def level_accuracy(root: Path, name: str) -> dict:
+    """pass@1 of a stage's held-out evaluation per task level (test.jsonl's `level`), from its trajectories."""
+    levels = [json.loads(line)["level"] for line in (root / "data" / "test.jsonl").read_text().splitlines()]
+    sums = {}
+    for line in (root / f"eval_{name}" / "trajectories.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        pair = sums.setdefault(str(levels[row["problem_index"]]), [0.0, 0])
+        pair[0], pair[1] = pair[0] + row["reward"], pair[1] + 1
+    return {level: round(total / n, 4) for level, (total, n) in sorted(sums.items())}
+
+
+def parse_seeds(text: str) -> list[int]:
+    """"0-4" or "0,2,5" (or a mix, "0-2,7") -> the seeds, in order, each once."""
+    seeds = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            seeds += range(int(first), int(last or first) + 1)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--seeds: {part!r} is not a seed or a range like 0-4") from None
+    return list(dict.fromkeys(seeds))
+
+
+def seed_table(summaries: dict) -> tuple[dict, str]:
+    """{seed: summary.json} -> (each stage's and the gain's mean, min and max over seeds; the printed table, a row per
+    seed with its wall seconds, then the mean, min and max rows)."""
+    keys = [f"{s}_accuracy" for s in STAGES] + ["gain_points"]
+    stats = {k: {"mean": sum(v[k] for v in summaries.values()) / len(summaries),
+                 "min": min(v[k] for v in summaries.values()), "max": max(v[k] for v in summaries.values())}
+             for k in keys}
+    head = f"{'seed':<6}{'threads':>8}" + "".join(f"{s:>8}" for s in STAGES) + f"{'gain':>8}{'wall s':>8}"
+    lines = [head]
+    for seed, v in summaries.items():
+        threads = v.get("torch_threads") or "config"
+        lines.append(f"{seed:<6}{threads:>8}" + "".join(f"{v[k]:8.3f}" for k in keys[:-1])
+                     + f"{v['gain_points']:+8.1f}{v['wall_seconds']:8.0f}"
+                     + ("  (continued: only the last part timed)" if v.get("steps_already_done") else ""))
+    for row in ("mean", "min", "max"):
+        lines.append(f"{row:<6}{'':>8}" + "".join(f"{stats[k][row]:8.3f}" for k in keys[:-1])
+                     + f"{stats['gain_points'][row]:+8.1f}")
+    return stats, "\n".join(lines)
+
+
+def run_seed(root: Path, args, seed: int, sandbox: str) -> dict:
+    """The pipeline for one seed into `root`; its summary (also written to root/summary.json). A run whose every
+    step was already done keeps the summary.json of the run that did them (its wall time included)."""
     commands = Commands()
-    results = pipeline(root, args.quick, commands, args.tool_backend, args.sampler)
+    results = pipeline(root, args.quick, commands, args.tool_backend, args.sampler, seed, args.torch_threads)
     wall = time.perf_counter() - commands.start
-    summary = {**summarize(results, wall), "tool_sandbox": sandbox}
+    previous = json.loads((root / "summary.json").read_text()) if (root / "summary.json").is_file() else None
+    if not commands.phases and previous and summarize(results, 0)["gain_points"] == previous["gain_points"]:
+        print("\n" + table(results) + f"\n\nevery step was done already: the summary of the run that did them, "
+              f"{root / 'summary.json'}")
+        return previous
+    summary = {**summarize(results, wall), "seed": seed, "torch_threads": args.torch_threads,
+               "steps_already_done": commands.kept, "tool_sandbox": sandbox}
+    summary["level_accuracy"] = {s: level_accuracy(root, s) for s in STAGES}
     summary["phases"], times = time_table(root, commands.phases, wall)
     atomic_write_text(root / "summary.json", json.dumps(summary, indent=1))
     plot_stages(results, root / "summary.png")
@@ -317,6 +364,41 @@ def main(argv=None) -> None:
     print(f"\nsft -> stage3: {100 * summary['sft_accuracy']:.1f}% -> {100 * summary['stage3_accuracy']:.1f}% "
           f"({summary['gain_points']:+.1f} points) in {summary['wall_seconds']:.0f} s; wrote {root / 'summary.json'}, "
           f"{root / 'summary.png'} and {compare}")
+    return summary
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default="runs/tiny", help="run folder (default runs/tiny)")
+    parser.add_argument("--quick", action="store_true", help="a few steps of each entry point")
+    parser.add_argument("--fresh", action="store_true", help="delete the run folder first")
+    parser.add_argument("--tool-backend", default="auto", choices=BACKENDS,
+                        help="the code tool's backend: auto, servers (Linux) or subprocess (portable)")
+    parser.add_argument("--sampler", choices=["hf", "vllm"], default="hf", help="rollout engine (default hf)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the model, data, SFT, RL stages, evaluations")
+    parser.add_argument("--seeds", type=parse_seeds, default=None,
+                        help="run these seeds one after another, e.g. 0-4, each into ROOT/seed<N>, and print each "
+                             "stage's mean, min and max over them (ROOT/seeds.json)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch_threads for every command (default: each config's; 1 stands in for a slower "
+                             "machine with other numerics)")
+    args = parser.parse_args(argv)
+    sandbox = announce(choose_sandbox(args.tool_backend))  # what model code can reach, said once
+    root = Path(args.root)
+    if args.fresh:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.seeds is None:
+        run_seed(root, args, args.seed, sandbox)
+        return
+    summaries = {}
+    for seed in args.seeds:
+        print(f"\n===== seed {seed}: {root / f'seed{seed}'}", flush=True)
+        summaries[seed] = run_seed(root / f"seed{seed}", args, seed, sandbox)
+    stats, text = seed_table(summaries)
+    atomic_write_text(root / "seeds.json", json.dumps({"seeds": {str(k): v for k, v in summaries.items()},
+                                                       "over_seeds": stats}, indent=1))
+    print(f"\nheld-out pass@1 per seed, over seeds {args.seeds}:\n{text}\n"
+          f"wrote {root / 'seeds.json'}")
 
 
 if __name__ == "__main__":

@@ -118,3 +118,42 @@ def test_a_step_is_done_only_when_it_finished_with_the_same_command_configs_and_
     (tmp_path / "base.yaml").write_text("lr: 2.0\n")  # an edited config, even one the command names only via base:
     step_b(marker)
     assert ran() == ["a", "a", "b", "a", "b", "b"]
+
+
+def test_one_seed_reaches_every_command_and_threads_when_given(tmp_path, monkeypatch):
+    commands = {}
+
+    def record(out, cmd, after=(), commands_=None, beside=False, **kw):
+        commands[out.name] = cmd
+        return out / "step.json"
+    monkeypatch.setattr(tiny_pipeline, "step", lambda out, cmd, after=(), commands=None, beside=False:
+                        record(out, cmd))
+    monkeypatch.setattr(tiny_pipeline, "eval_results", lambda root, name: {"pass@1": 0.5})
+    tiny_pipeline.pipeline(tmp_path, False, tiny_pipeline.Commands(), seed=7, threads=1)
+    assert set(commands) == {"base", "data", "sft", "stage1", "stage2", "stage3", "unsolved_stage2", "eval_sft",
+                             "eval_stage1", "eval_stage2", "eval_stage3"}
+    assert commands["base"][-2:] == ["--seed", "7"] and commands["data"][-2:] == ["--seed", "7"]
+    for name, cmd in commands.items():
+        if name not in ("base", "data"):
+            assert "seed=7" in cmd and "torch_threads=1" in cmd, name
+    commands.clear()
+    tiny_pipeline.pipeline(tmp_path, False, tiny_pipeline.Commands())  # the default: seed 0, the configs' threads
+    assert commands["base"][-2:] == ["--seed", "0"] and all(
+        "seed=0" in c and not any(a.startswith("torch_threads=") for a in c) for n, c in commands.items()
+        if n not in ("base", "data"))
+
+
+def test_seeds_parse_and_the_seed_table_gives_each_stage_mean_min_max():
+    assert tiny_pipeline.parse_seeds("0-2,5,1") == [0, 1, 2, 5]
+    with pytest.raises(Exception, match="not a seed"):
+        tiny_pipeline.parse_seeds("a-b")
+    runs = {0: (0.30, 0.80, 0.85, 0.90, 320.0), 1: (0.20, 0.70, 0.75, 0.80, 300.0), 5: (0.25, 0.75, 0.95, 0.70, 900.0)}
+    summaries = {seed: {"sft_accuracy": a, "stage1_accuracy": b, "stage2_accuracy": c, "stage3_accuracy": d,
+                        "gain_points": 100 * (d - a), "wall_seconds": w, "torch_threads": 1 if seed == 5 else None}
+                 for seed, (a, b, c, d, w) in runs.items()}
+    stats, text = tiny_pipeline.seed_table(summaries)
+    assert stats["stage2_accuracy"] == {"mean": pytest.approx(0.85), "min": 0.75, "max": 0.95}
+    assert stats["gain_points"]["min"] == pytest.approx(45.0) and stats["gain_points"]["max"] == pytest.approx(60.0)
+    lines = text.splitlines()
+    assert lines[3].split()[:2] == ["5", "1"] and lines[3].split()[-1] == "900"  # a row per seed, its threads, wall
+    assert lines[-3].split()[0] == "mean" and lines[-3].split()[-1] == "+55.0"
