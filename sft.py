@@ -74,10 +74,12 @@ class SFTConfig:
     epochs: int = 3  # report: 3
     lr: float = 5e-6  # report: 5e-6 (peak, after warm-up)
     warmup_ratio: float = 0.04  # report: 4% of steps, linear from 0
+    decay_ratio: float = 1.0  # the cosine decay's share of the steps after warm-up (report: all; less holds the peak)
     batch_size: int = 128  # report: 128 sequences per optimizer step (global, all ranks)
     micro_batch_size: int = 4  # sequences per forward pass per rank
     max_seq_len: int = 8192  # longer conversations are skipped (and counted)
     group_by_length: bool = True  # micro-batches of similar length (less padding); False: plain shuffle
+    packing: bool = False  # each micro-batch's conversations packed into fewer rows (`pack`); the same loss
     weight_decay: float = 0.0  # AdamW; report: not stated
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -106,7 +108,8 @@ RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "report_to", "save_e
 # Allowed values of the numeric fields (config.check_ranges), checked by `check_inputs` before any work.
 RANGES = {
     "epochs": ">= 1", "lr": "> 0", "warmup_ratio": ">= 0 and <= 1", "batch_size": ">= 1", "micro_batch_size": ">= 1",
-    "max_seq_len": ">= 2", "weight_decay": ">= 0", "adam_beta1": ">= 0 and < 1", "adam_beta2": ">= 0 and < 1",
+    "decay_ratio": "> 0 and <= 1", "max_seq_len": ">= 2", "weight_decay": ">= 0", "adam_beta1": ">= 0 and < 1",
+    "adam_beta2": ">= 0 and < 1",
     "grad_clip": "> 0", "seed": ">= 0 and <= 4294967295", "log_every": ">= 1", "max_steps": ">= 1",
     "save_every": ">= 0", "keep_checkpoints": ">= 1", "torch_threads": ">= 0",
 }
@@ -150,6 +153,42 @@ def collate(batch: list[tuple[list, list]], pad_id: int) -> dict:
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
 
+def pack(batch: list[tuple[list, list]], pad_id: int) -> dict:
+    """The micro-batch's (ids, labels) packed into as few rows as first fit (longest first) allows, each row no
+    longer than the longest conversation, instead of a padded row each: fewer rows and less padding for the same
+    loss. position_ids restart at 0 for every conversation and there is no attention_mask, so transformers builds a
+    block-diagonal causal mask from them (a new block wherever a position does not follow the one before it): no
+    conversation attends to another. A conversation's first token is never a target (label IGNORE), as at position
+    0 of a padded row; a row's padding is a block of its own, never trained. num_tokens: the conversations' tokens."""
+    T = max(len(ids) for ids, _ in batch)
+    rows, room = [], []
+    for i in sorted(range(len(batch)), key=lambda i: -len(batch[i][0])):
+        n = len(batch[i][0])
+        r = next((r for r, free in enumerate(room) if free >= n), len(rows))
+        if r == len(rows):
+            rows.append([])
+            room.append(T)
+        rows[r].append(i)
+        room[r] -= n
+    input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), T), dtype=torch.long)
+    for r, members in enumerate(rows):
+        at = 0
+        for i in members:
+            ids, lab = batch[i]
+            input_ids[r, at:at + len(ids)] = torch.tensor(ids)
+            labels[r, at + 1:at + len(ids)] = torch.tensor(lab[1:], dtype=torch.long)
+            position_ids[r, at:at + len(ids)] = torch.arange(len(ids))
+            at += len(ids)
+        position_ids[r, at:] = torch.arange(T - at)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+            "num_tokens": torch.tensor(sum(len(ids) for ids, _ in batch))}
+
+
+COLLATE = {False: collate, True: pack}  # SFTConfig.packing
+
+
 class LengthGroupedBatches:
     """Micro-batches of similar length, so less compute goes to padding (the idea of HF's group_by_length).
     Each epoch: shuffle all indices, cut them into windows of `window` micro-batches, sort each window by length,
@@ -189,13 +228,15 @@ def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return total / (targets != IGNORE).sum().clamp(min=1)
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+def lr_factor(step: int, warmup_steps: int, total_steps: int, decay_ratio: float = 1.0) -> float:
     """Multiplier of the peak lr before optimizer step `step` (0-based): linear warm-up from 1/warmup to 1 over
-    `warmup_steps`, then cosine decay 0.5 * (1 + cos(pi * progress)) from 1 to 0 at `total_steps`."""
+    `warmup_steps`, then cosine decay 0.5 * (1 + cos(pi * progress)) from 1 to 0 at `total_steps`, over the last
+    `decay_ratio` of the steps after warm-up (1.0: all of them; less: the peak lr is held until the decay starts)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    decay_steps = max(1, round(decay_ratio * (total_steps - warmup_steps)))
+    progress = (step - (total_steps - decay_steps)) / decay_steps
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, max(0.0, progress))))
 
 
 # ----------------------------------------------------------------------------------- plumbing (ranks live here)
@@ -304,7 +345,7 @@ def train(cfg: SFTConfig) -> Path:
     batches = LengthGroupedBatches([len(ids) for ids, _ in examples], cfg.micro_batch_size, cfg.seed,
                                    window=32 if cfg.group_by_length else 1)
     loader = torch.utils.data.DataLoader(examples, batch_sampler=batches,
-                                         collate_fn=functools.partial(collate, pad_id=pad_id))
+                                         collate_fn=functools.partial(COLLATE[cfg.packing], pad_id=pad_id))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]  # no weight decay on norms and biases
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -317,7 +358,8 @@ def train(cfg: SFTConfig) -> Path:
     warmup_steps = max(1, round(cfg.warmup_ratio * total_steps))
     # Accelerate steps a prepared scheduler num_processes times per optimizer step, so the schedule is in those units.
     P = acc.num_processes
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s // P, warmup_steps, total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s // P, warmup_steps, total_steps,
+                                                                                   cfg.decay_ratio))
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     acc.print(f"sft: {total_steps} optimizer steps ({steps_per_epoch}/epoch), batch {cfg.batch_size} = "
               f"{cfg.micro_batch_size} x {grad_accum} accumulation x {P} ranks, warm-up {warmup_steps} steps")
@@ -346,7 +388,8 @@ def train(cfg: SFTConfig) -> Path:
         epoch_loader.set_epoch(epoch)
         for batch in epoch_loader:
             with acc.accumulate(model):
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_tokens")}
+                logits = model(**inputs, use_cache=False).logits  # a cache would also turn off packing's mask
                 loss = masked_lm_loss(logits, batch["labels"])
                 acc.backward(loss)
                 losses.append(loss.detach())
@@ -358,7 +401,7 @@ def train(cfg: SFTConfig) -> Path:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            tokens += int(batch["attention_mask"].sum())
+            tokens += int(batch["num_tokens"] if "num_tokens" in batch else batch["attention_mask"].sum())
             read += 1
             if not acc.sync_gradients:
                 continue

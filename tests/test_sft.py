@@ -12,9 +12,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from config import load_config
 from protocol import IM_END, TOOL_NAME, chat_format, format_tool_call
-from sft import IGNORE, LengthGroupedBatches, SFTConfig, build_examples, build_labels, collate, lr_factor, masked_lm_loss, train
+from sft import (IGNORE, LengthGroupedBatches, SFTConfig, build_examples, build_labels, collate, lr_factor,
+                 masked_lm_loss, pack, train)
 from stops import Stop, save_dies_halfway
-from tiny_model import build_tiny, build_tokenizer
+from tiny_model import build_model, build_tiny, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL = {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"code": "print(12*34)", "input": ""}}}
@@ -75,6 +76,45 @@ def test_collate_pads_right_and_never_trains_padding():
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
 
 
+def _random_batch(lengths, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    batch = []
+    for n in lengths:
+        ids = torch.randint(2, vocab, (n,), generator=g).tolist()
+        batch.append((ids, [x if keep else IGNORE for x, keep in zip(ids, torch.rand(n, generator=g) < 0.6)]))
+    return batch
+
+
+def test_packing_fills_rows_and_gives_the_padded_loss_and_logits():
+    tok = build_tokenizer()
+    model = build_model(tok, hidden=64, layers=2, heads=2, seed=1).eval()
+    batch = _random_batch([30, 7, 19, 25, 3, 12, 30, 1], len(tok))
+    padded, packed = collate(batch, pad_id=0), pack(batch, pad_id=0)
+    assert packed["input_ids"].shape == (5, 30) and int(packed["num_tokens"]) == 127  # 8 rows of 30 padded
+    # the rows, cut where a position restarts at 0: every conversation once and whole, then padding (pad id 0)
+    blocks = []
+    for r in range(len(packed["input_ids"])):
+        starts = torch.nonzero(packed["position_ids"][r] == 0).flatten().tolist() + [30]
+        blocks += [(r, a, packed["input_ids"][r, a:b].tolist()) for a, b in zip(starts, starts[1:])]
+    convs = [b for b in blocks if any(b[2])]
+    assert sorted(ids for _, _, ids in convs) == sorted(ids for ids, _ in batch)
+    assert all(not any(ids) and (packed["labels"][r, a:a + len(ids)] == IGNORE).all() for r, a, ids in blocks
+               if not any(ids))
+    assert (packed["labels"] != IGNORE).sum() == (padded["labels"][:, 1:] != IGNORE).sum()
+    with torch.no_grad():
+        logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits
+        want = masked_lm_loss(model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits,
+                              padded["labels"])
+        assert masked_lm_loss(logits, packed["labels"]).item() == pytest.approx(want.item(), abs=1e-6)
+        # right padding under a causal mask: no real token attends to a pad, so the padding mask changes no loss
+        unmasked = masked_lm_loss(model(input_ids=padded["input_ids"], use_cache=False).logits, padded["labels"])
+        assert unmasked.item() == pytest.approx(want.item(), abs=1e-6)
+        # each conversation's logits are those it gets alone: none attends to another in its row
+        for r, a, ids in convs:
+            alone = model(input_ids=torch.tensor([ids])).logits[0]
+            assert torch.allclose(logits[r, a:a + len(ids)], alone, atol=1e-5)
+
+
 def test_length_grouped_batches_cover_every_example_once_with_less_padding():
     lengths = [(i * 7919) % 600 + 1 for i in range(203)]
     sampler = LengthGroupedBatches(lengths, batch_size=8, seed=0, window=5)
@@ -107,6 +147,9 @@ def test_lr_factor_warms_up_linearly_then_decays_by_cosine():
     assert values[0] == pytest.approx(0.5) and values[1] == pytest.approx(1.0) and values[2] == pytest.approx(1.0)
     assert values[6] == pytest.approx(0.5) and values[10] == pytest.approx(0.0)
     assert all(a >= b for a, b in zip(values[1:], values[2:]))
+    held = [lr_factor(s, warmup_steps=2, total_steps=10, decay_ratio=0.5) for s in range(11)]
+    assert held[:7] == [0.5] + [1.0] * 6  # the peak is held until the last half of the steps after warm-up
+    assert held[8] == pytest.approx(0.5) and held[10] == pytest.approx(0.0)
 
 
 # ----------------------------------------------------------------------------------- end to end and bad input
@@ -318,3 +361,27 @@ def test_the_saved_model_folder_is_whole_or_absent(tiny, tmp_path, monkeypatch, 
     with pytest.raises(Stop):
         train(_cfg(tiny, tmp_path / "run", max_steps=1))
     assert not (tmp_path / "run" / "model").exists()
+
+
+def test_a_packed_run_learns_what_the_padded_run_learns(tiny, tmp_path, one_torch_thread):
+    root, base, _ = tiny
+    rows = []
+    for k, a in enumerate([3, 45, 678, 9012, 34567, 8, 90, 123, 4567, 89012, 5, 67, 890, 1234, 56789, 7]):
+        convo = [dict(m) for m in CONVERSATION]  # lengths differ, so rows hold several conversations
+        convo[0]["content"] = f"Compute {a}*34." + " Think." * (12 * (k % 4))
+        convo[2] = {"role": "tool", "content": str(a * 34)}
+        convo[3] = {"role": "assistant", "content": f"</reason>\n<answer>\\boxed{{{a * 34}}}</answer>"}
+        rows.append(json.dumps({"messages": convo}))
+    data = tmp_path / "sft.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    runs = {}
+    for packing in (False, True):
+        out = tmp_path / f"packing-{packing}"
+        train(_cfg(tiny, out, data=str(data), epochs=3, packing=packing, group_by_length=False))
+        runs[packing] = ([r["sft/loss"] for r in _sft_rows(out)],
+                         AutoModelForCausalLM.from_pretrained(out / "model").state_dict())
+    (padded, w_padded), (packed, w_packed) = runs[False], runs[True]
+    assert len(packed) == 6 and packed[-1] < packed[0] - 0.3
+    assert packed == pytest.approx(padded, rel=1e-4)  # the same loss at every step, to float rounding
+    assert all(torch.allclose(w_packed[k], w_padded[k], atol=1e-4) for k in w_padded)
+    assert pack([([5] * 20, [5] * 20), ([6] * 10, [6] * 10), ([7] * 9, [7] * 9)], 0)["input_ids"].shape == (2, 20)
