@@ -48,7 +48,7 @@ from report import write_compare
 STAGES = ["sft", "stage1", "stage2", "stage3"]
 # --quick: overrides that make every entry point take a few steps (CI); the plumbing is the same.
 QUICK = {
-    "task": ["--n-train", "64", "--n-test", "8", "--n-sft", "96"],
+    "task": ["--n-train", "64", "--n-test", "8", "--n-sft", "96", "--n-val", "4"],
     "sft": ["max_steps=4", "log_every=1"],
     "train": ["steps=2", "prompts_per_step=2", "rollouts_per_prompt=4", "group_size=2", "eval_every=0", "eval_limit=4",
               "save_every=1"],
@@ -161,18 +161,31 @@ class Commands:
 
 
 def evaluate(root: Path, name: str, model: Path, quick: bool, engine: list[str], commands: Commands,
-             beside: bool) -> None:
-    """eval.py on the held-out split for one stage's model (`model`: that step's marker); `eval_results` reads it.
+             beside: bool, split: str = "test") -> None:
+    """eval.py on a split of the task (`test`: the held-out split, into eval_<name>; `val`: the validation split,
+    into val_<name>) for one stage's model (`model`: that step's marker); `eval_results` reads it.
     engine: overrides for every train.py and eval.py run (the tool's backend, the sampler, seed and threads)."""
-    out = root / f"eval_{name}"
+    out = root / f"{'eval' if split == 'test' else split}_{name}"
     step(out, ["eval.py", "configs/tiny/eval.yaml", f"model_path={root / name / 'model'}", f"out_dir={out}",
-               f"benchmarks=[{root / 'data' / 'test.jsonl'}]", *engine] + (QUICK["eval"] if quick else []),
+               f"benchmarks=[{root / 'data' / f'{split}.jsonl'}]", *engine] + (QUICK["eval"] if quick else []),
          after=[model, root / "data" / "step.json"], commands=commands, beside=beside)
 
 
-def eval_results(root: Path, name: str) -> dict:
-    """The metrics of a stage's held-out evaluation (its results.json)."""
-    return next(iter(json.loads((root / f"eval_{name}" / "results.json").read_text())["benchmarks"].values()))
+def eval_results(root: Path, name: str, folder: str = "eval") -> dict:
+    """The metrics of a stage's evaluation (its results.json; folder `val` for the validation split)."""
+    return next(iter(json.loads((root / f"{folder}_{name}" / "results.json").read_text())["benchmarks"].values()))
+
+
+def guard_stage3(results: dict, val: dict) -> tuple[dict, dict]:
+    """Stage 3 trains on the hardest problems only, with a fresh optimizer, and can end below stage 2. Its model is
+    kept only when its validation pass@1 (val.jsonl: neither trained on nor the test split) is at least stage 2's;
+    otherwise stage 2's model is the pipeline's final one and the `stage3` results are stage 2's.
+    results: {stage: held-out metrics}; val: {"stage2": pass@1, "stage3": pass@1} on the validation split.
+    Returns (the results with `stage3` as the final model's, a record of the choice for summary.json)."""
+    kept = val["stage3"] >= val["stage2"]
+    record = {"kept": kept, "val_accuracy": dict(val), "trained_accuracy": results["stage3"]["pass@1"],
+              "final_model": "stage3" if kept else "stage2"}
+    return ({**results, "stage3": results["stage3"] if kept else results["stage2"]}, record)
 
 
 def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto", sampler: str = "hf",
@@ -204,6 +217,8 @@ def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto",
                 "samples=4", "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}", *engine]
                 + (["limit=6", "samples=2"] if quick else ["limit=200"]), after=[done["stage2"], task],
                 commands=commands))
+            # Stage 2's model on the validation split, beside stage 3's training (for guard_stage3).
+            evaluate(root, "stage2", done["stage2"], quick, engine, commands, beside=True, split="val")
         # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report §4).
         extra = [f"optimizer_from={root / 'stage1'}"] if stage == 2 else []
         # Held-out curves during stage 1 only; every stage's final model is evaluated with eval.py.
@@ -214,8 +229,11 @@ def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto",
                           commands=commands)
         commands.join()
         previous = name
+    evaluate(root, "stage3", done["stage3"], quick, engine, commands, beside=True, split="val")
     evaluate(root, "stage3", done["stage3"], quick, engine, commands, beside=False)
-    return {s: eval_results(root, s) for s in STAGES}
+    commands.join()
+    val = {s: eval_results(root, s, "val")["pass@1"] for s in ("stage2", "stage3")}
+    return guard_stage3({s: eval_results(root, s) for s in STAGES}, val)
 
 
 def phase_parts(root: Path, name: str) -> dict:
@@ -344,7 +362,8 @@ def run_seed(root: Path, args, seed: int, sandbox: str) -> dict:
     """The pipeline for one seed into `root`; its summary (also written to root/summary.json). A run whose every
     step was already done keeps the summary.json of the run that did them (its wall time included)."""
     commands = Commands()
-    results = pipeline(root, args.quick, commands, args.tool_backend, args.sampler, seed, args.torch_threads)
+    results, guard = pipeline(root, args.quick, commands, args.tool_backend, args.sampler, seed, args.torch_threads)
+    final = guard["final_model"]
     wall = time.perf_counter() - commands.start
     previous = json.loads((root / "summary.json").read_text()) if (root / "summary.json").is_file() else None
     if not commands.phases and previous and summarize(results, 0)["gain_points"] == previous["gain_points"]:
@@ -352,17 +371,23 @@ def run_seed(root: Path, args, seed: int, sandbox: str) -> dict:
               f"{root / 'summary.json'}")
         return previous
     summary = {**summarize(results, wall), "seed": seed, "torch_threads": args.torch_threads,
-               "steps_already_done": commands.kept, "tool_sandbox": sandbox}
-    summary["level_accuracy"] = {s: level_accuracy(root, s) for s in STAGES}
+               "steps_already_done": commands.kept, "tool_sandbox": sandbox, "stage3_guard": guard,
+               "final_model": str(root / final / "model")}
+    summary["level_accuracy"] = {s: level_accuracy(root, final if s == "stage3" else s) for s in STAGES}
     summary["phases"], times = time_table(root, commands.phases, wall)
     atomic_write_text(root / "summary.json", json.dumps(summary, indent=1))
     plot_stages(results, root / "summary.png")
-    compare = write_compare(root / "eval_sft", root / "eval_stage3", root / "compare_sft_stage3.html")
+    compare = write_compare(root / "eval_sft", root / f"eval_{final}", root / "compare_sft_stage3.html")
     print("\n" + table(results))
+    if not guard["kept"]:
+        print(f"\nstage 3 not kept: validation pass@1 {guard['val_accuracy']['stage3']:.3f} < stage 2's "
+              f"{guard['val_accuracy']['stage2']:.3f}; the final model is stage 2's (its row above), stage 3's own "
+              f"held-out pass@1 was {guard['trained_accuracy']:.3f}")
     print("\nwhere the time went (this run's commands; a step already done, by its step.json, is not listed)\n"
           + times)
     print(f"\nsft -> stage3: {100 * summary['sft_accuracy']:.1f}% -> {100 * summary['stage3_accuracy']:.1f}% "
-          f"({summary['gain_points']:+.1f} points) in {summary['wall_seconds']:.0f} s; wrote {root / 'summary.json'}, "
+          f"({summary['gain_points']:+.1f} points) in {summary['wall_seconds']:.0f} s; final model "
+          f"{summary['final_model']}; wrote {root / 'summary.json'}, "
           f"{root / 'summary.png'} and {compare}")
     return summary
 

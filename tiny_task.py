@@ -14,7 +14,9 @@ Splits, all drawn from one seeded generator and disjoint in problem text (each t
 - test.jsonl: `n_test` problems of each level (default 100 + 100), drawn first, so the held-out set does not
   change when the train or SFT sizes do;
 - sft.jsonl: `n_sft` conversations for the non-reasoning SFT stage (`sft.py`);
-- train_level1.jsonl, train_level2.jsonl: `n_train` problems each for the RL stages.
+- train_level1.jsonl, train_level2.jsonl: `n_train` problems each for the RL stages;
+- val.jsonl: `n_val` problems of each level, drawn last (the other splits stay as they were), for choosing between
+  models (the pipeline's stage-3 guard) without looking at the test split.
 
 The SFT data teaches the format, not the policy (the analogue of the report's non-reasoning SFT, which has no
 reasoning traces). Each conversation is one of four traces, in configurable fractions:
@@ -187,10 +189,11 @@ def trace_kinds(n: int, mix: dict, rng) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ the task files
 def write_task(out_dir, seed: int = 0, n_train: int = 2000, n_test: int = 100, n_sft: int = 4000,
-               mix: dict | None = None, direct_correct: float = 0.2, sft_level2: float = 0.4,
+               n_val: int = 100, mix: dict | None = None, direct_correct: float = 0.2, sft_level2: float = 0.4,
                workers: int = 2, tool_backend: str = "auto", error_format: str = "full",
                sloppy_line: str = SLOPPY_LINE) -> dict:
-    """Write test.jsonl, sft.jsonl, train_level1.jsonl and train_level2.jsonl under `out_dir`; same seed, same files.
+    """Write test.jsonl, sft.jsonl, train_level1.jsonl, train_level2.jsonl and val.jsonl under `out_dir`; same seed,
+    same files.
 
     mix: trace-kind fractions for SFT (default DEFAULT_MIX); direct_correct: chance that a
     direct answer is the true one; sft_level2: fraction of SFT problems from level 2; tool_backend: the code
@@ -206,6 +209,7 @@ def write_task(out_dir, seed: int = 0, n_train: int = 2000, n_test: int = 100, n
 
     plans = [plan_trace(p, kind, rng, direct_correct, sloppy_line)
              for p, kind in zip(sft_problems, trace_kinds(n_sft, mix, rng))]
+    val = [draw_problem(rng, level, seen) for level in (1, 2) for _ in range(n_val)]
     calls = [(code, "") for plan in plans for code in plan["codes"]]
     with CodeTool(workers=workers, timeout=TOOL_TIMEOUT_S, max_output_chars=TOOL_MAX_OUTPUT_CHARS,
                   backend=tool_backend, error_format=error_format) as tool:
@@ -218,7 +222,8 @@ def write_task(out_dir, seed: int = 0, n_train: int = 2000, n_test: int = 100, n
     return {"test": write_jsonl(out / "test.jsonl", public(test)),
             "sft": write_jsonl(out / "sft.jsonl", sft),
             "train_level1": write_jsonl(out / "train_level1.jsonl", public(train[1])),
-            "train_level2": write_jsonl(out / "train_level2.jsonl", public(train[2]))}
+            "train_level2": write_jsonl(out / "train_level2.jsonl", public(train[2])),
+            "val": write_jsonl(out / "val.jsonl", public(val))}
 
 
 def main(argv=None):
@@ -228,6 +233,7 @@ def main(argv=None):
     parser.add_argument("--n-train", type=int, default=2000, help="RL problems per level")
     parser.add_argument("--n-test", type=int, default=100, help="held-out problems per level")
     parser.add_argument("--n-sft", type=int, default=4000, help="SFT conversations")
+    parser.add_argument("--n-val", type=int, default=100, help="validation problems per level (model choice)")
     parser.add_argument("--direct", type=float, default=DEFAULT_MIX["direct"], help="fraction of direct-answer traces")
     parser.add_argument("--tool", type=float, default=DEFAULT_MIX["tool"], help="fraction of clean tool-use traces")
     parser.add_argument("--fix", type=float, default=DEFAULT_MIX["fix"], help="fraction of fail-then-fix traces")
@@ -240,6 +246,7 @@ def main(argv=None):
     parser.add_argument("--sloppy-line", default=SLOPPY_LINE, help="the leftover line that fails a sloppy call")
     args = parser.parse_args(argv)
     paths = write_task(args.out_dir, seed=args.seed, n_train=args.n_train, n_test=args.n_test, n_sft=args.n_sft,
+                       n_val=args.n_val,
                        mix={"direct": args.direct, "tool": args.tool, "sloppy": args.sloppy, "fix": args.fix},
                        direct_correct=args.direct_correct, tool_backend=args.tool_backend,
                        error_format=args.error_format, sloppy_line=args.sloppy_line)

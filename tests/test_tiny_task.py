@@ -10,7 +10,7 @@ from data import load_conversations, load_problems
 from protocol import chat_format
 from tiny_task import buggy_code, main, near_miss, trace_kinds, write_task
 
-SIZES = {"n_train": 40, "n_test": 15, "n_sft": 60}
+SIZES = {"n_train": 40, "n_test": 15, "n_sft": 60, "n_val": 10}
 MIX = {"direct": 0.4, "tool": 0.2, "sloppy": 0.2, "fix": 0.2}
 
 
@@ -39,7 +39,7 @@ def _sft(task):
 
 
 def test_same_seed_same_files_and_cli_matches(task, tmp_path):
-    main([str(tmp_path / "cli"), "--seed", "3", "--n-train", "40", "--n-test", "15", "--n-sft", "60",
+    main([str(tmp_path / "cli"), "--seed", "3", "--n-train", "40", "--n-test", "15", "--n-sft", "60", "--n-val", "10",
           "--direct", "0.4", "--tool", "0.2", "--sloppy", "0.2", "--fix", "0.2"])
     for split, path in task.items():
         assert (tmp_path / "cli" / path.name).read_bytes() == path.read_bytes(), split
@@ -48,13 +48,13 @@ def test_same_seed_same_files_and_cli_matches(task, tmp_path):
 
 
 def test_splits_have_their_sizes_and_levels_and_are_disjoint(task):
-    test, train1, train2 = (load_problems(task[k]) for k in ("test", "train_level1", "train_level2"))
-    assert [p["level"] for p in test] == [1] * 15 + [2] * 15
+    test, train1, train2, val = (load_problems(task[k]) for k in ("test", "train_level1", "train_level2", "val"))
+    assert [p["level"] for p in test] == [1] * 15 + [2] * 15 and [p["level"] for p in val] == [1] * 10 + [2] * 10
     assert len(train1) == len(train2) == 40 and {p["level"] for p in train1} == {1} and {p["level"] for p in train2} == {2}
     sft_problems = [row["messages"][0]["content"] for row in _sft(task)]
-    splits = [[p["problem"] for p in s] for s in (test, train1, train2)] + [sft_problems]
+    splits = [[p["problem"] for p in s] for s in (test, train1, train2, val)] + [sft_problems]
     texts = [t for s in splits for t in s]
-    assert len(texts) == len(set(texts)) == 30 + 80 + 60
+    assert len(texts) == len(set(texts)) == 30 + 80 + 20 + 60
     assert {"code"}.isdisjoint(test[0])  # the generator's solution is not shipped with the problems
 
 
@@ -148,3 +148,10 @@ def test_error_format_and_sloppy_line_reach_the_sft_tool_text(tmp_path):
         shown = r["messages"][2]["content"]
         assert shown.startswith("error\n") and shown.count("\n") == 2 and "Traceback" not in shown
         assert re.search(r"^error\n(SyntaxError|NameError|TypeError): ", shown)
+
+
+def test_the_validation_split_is_drawn_last_and_leaves_the_other_splits_as_they_were(task, tmp_path):
+    without = write_task(tmp_path / "no_val", seed=3, mix=MIX, **{**SIZES, "n_val": 0})
+    for split in ("test", "sft", "train_level1", "train_level2"):
+        assert without[split].read_bytes() == task[split].read_bytes(), split
+    assert without["val"].read_text() == "" and len(load_problems(task["val"])) == 20
