@@ -388,8 +388,12 @@ def train(cfg: SFTConfig) -> Path:
         epoch_loader.set_epoch(epoch)
         for batch in epoch_loader:
             with acc.accumulate(model):
-                inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_tokens")}
-                logits = model(**inputs, use_cache=False).logits  # a cache would also turn off packing's mask
+                # No padding mask: padding is on the right, so under the causal mask no real token attends to it
+                # and its labels are IGNORE: the same loss, and attention takes its causal fast path (1.15x at the
+                # tiny scale, bench/sft_speed.py). Packed rows carry position_ids instead. A cache would also turn
+                # off packing's mask.
+                inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_tokens", "attention_mask")}
+                logits = model(**inputs, use_cache=False).logits
                 loss = masked_lm_loss(logits, batch["labels"])
                 acc.backward(loss)
                 losses.append(loss.detach())

@@ -14,11 +14,11 @@ data and steps: a way that changes what SFT learns shows here; the larger micro-
 1. Where a step's time goes (the shipped loop, timed phase by phase): making the batch, the forward pass, the
    loss, the backward pass, the gradient clip, AdamW's step, and Accelerate's part (the same step on the prepared
    model and optimizer, through `accumulate` / `backward` / `clip_grad_norm_`, against plain torch calls).
-2. The ways: packing instead of padding (sft.pack: block-diagonal attention from position ids); AdamW's foreach
-   and fused implementations (torch's default on the CPU is a loop over the parameters); micro-batches twice the
-   config's (half the steps for the same tokens: the same throughput question as a doubled batch, not the same
-   learning);
-   torch.compile of the model (dynamic shapes, inductor's C++ backend).
+2. The ways: the padding mask (sft.py drops it: padding is on the right, so the causal mask already keeps it
+   out, and attention takes its fast path); packing instead of padding (sft.pack: block-diagonal attention from
+   position ids); AdamW's foreach and fused implementations (torch's default on the CPU is a loop over the
+   parameters); micro-batches twice the config's (half the steps for the same tokens: the same throughput question
+   as a doubled batch, not the same learning); torch.compile of the model (dynamic shapes, inductor's C++ backend).
 """
 import argparse
 import functools
@@ -55,7 +55,7 @@ class Way:
 
     def __init__(self, name: str, model_dir: Path, batches: list, cfg: SFTConfig, *, collate_fn=collate,
                  adamw: dict | None = None, compile_model: bool = False, accelerate: bool = False,
-                 padding_mask: bool = True):
+                 padding_mask: bool = False):
         from transformers import AutoModelForCausalLM
         self.name, self.cfg, self.accelerate, self.padding_mask = name, cfg, accelerate, padding_mask
         model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
@@ -177,9 +177,9 @@ def main(argv=None) -> None:
             return batches * ((args.warmup + args.steps * (args.rounds + 1)) // len(batches) + 1)
         make = functools.partial(Way, model_dir=model_dir, batches=micro_batches(cfg.micro_batch_size), cfg=cfg)
         ways = {
-            "shipped: padded, AdamW loop, Accelerate": lambda: make("shipped", accelerate=True),
+            "shipped: padded, no padding mask, Accelerate": lambda: make("shipped", accelerate=True),
             "the same in plain torch": lambda: make("plain"),
-            "padded, no padding mask (causal fast path)": lambda: make("nomask", accelerate=True, padding_mask=False),
+            "padded with the padding mask (before)": lambda: make("mask", accelerate=True, padding_mask=True),
             "packed": lambda: make("packed", accelerate=True, collate_fn=pack),
             "AdamW foreach": lambda: make("foreach", accelerate=True, adamw={"foreach": True}),
             "AdamW fused": lambda: make("fused", accelerate=True, adamw={"fused": True}),
