@@ -142,6 +142,31 @@ class ToolResult:
         return self.status + "\n" + cut_middle(body, self.max_chars if max_chars is None else max_chars)
 
 
+def render_rstar2_public(result: ToolResult) -> str:
+    """The text the public rStar2-Agent code shows the model (microsoft/rStar, rstar2_agent/tools/code_judge_utils.py,
+    from its code-judge server's result): "Tool call success" or "Tool call failure" with the server's reason, then
+    "stdout: ..." and "stderr: ..." when not empty, then "execution time: {seconds:.2f}s", one line each; a text
+    longer than max_chars keeps its first and last max_chars // 2 characters around "...(truncated)..." (the public
+    agent loop's middle cut, rstar2_agent/rollout/rstar2_agent_loop.py). The server's reasons here: a timeout is
+    "worker_timeout", a dead worker "internal_error", any other failure "" (a non-zero exit); error_format applies
+    to stderr as in render()."""
+    stderr = last_line(result.stderr) if result.error_format == "last_line" and not result.ok else result.stderr
+    reason = {"timeout": "worker_timeout", "crash": "internal_error"}.get(result.status, "")
+    parts = ["Tool call success"] if result.ok else ["Tool call failure", f"reason: {reason}"]
+    if result.stdout:
+        parts.append(f"stdout: {result.stdout}")
+    if stderr:
+        parts.append(f"stderr: {stderr}")
+    text = "\n".join(parts + [f"execution time: {result.elapsed:.2f}s"])
+    half = result.max_chars // 2
+    return text if len(text) <= result.max_chars else text[:half] + "...(truncated)..." + text[-half:]
+
+
+# How a ToolResult is written for the model (config field tool_result_format, protocol.ChatFormat): this project's
+# text (ToolResult.render with the tool's defaults), or the public code's.
+RESULT_FORMATS = {"default": lambda result: result.render(), "rstar2_public": render_rstar2_public}
+
+
 def last_line(text: str) -> str:
     """The last non-blank line of text, with its newline ("" when there is none)."""
     lines = [line for line in text.splitlines() if line.strip()]

@@ -50,7 +50,7 @@ from memory_plan import engine_lines, memory_lines
 from plots import plot_curves
 from grpo_roc import (drop_equal_groups, group_advantages, penalty_total, policy_loss, resample_on_correct,
                       sequence_mean_policy_loss)
-from protocol import chat_format
+from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of
 from reward import check_many, default_pool, extract_answer
 from rollout import rollout, rollout_sums
 from sampler import HANDOFF_PROBE_TOKENS, HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs
@@ -93,8 +93,13 @@ class TrainConfig:
     max_prompt_tokens: int = 2048         # a longer rendered prompt is an input error
     temperature: float = 1.0              # report: 1.0 for training rollouts
     top_p: float = 1.0
-    system_prompt: str = "default"        # "default", a preset name ("compact") or the text itself
-    user_instruction: str = "Put the final answer inside <answer> </answer> as \\boxed{...}."
+    system_prompt: str = "default"        # a preset (default, compact, rstar2_public) or the text itself (protocol.py)
+    user_instruction: str = DEFAULT_USER_INSTRUCTION  # fills user_template's {instruction} slot ("" for none)
+    user_template: str = "default"        # the user turn: a preset (default, rstar2_public) or text with {problem}
+    tool_name: str = TOOL_NAME            # the name a call must give (public format: python_code_with_standard_io)
+    tool_required: list[str] = field(default_factory=lambda: ["code"])  # the arguments its schema marks required
+    tool_result_format: str = "default"   # how a result reads: default ("ok\n4\n") | rstar2_public ("Tool call ...")
+    newline_after_turn: bool = True       # "\n" after an assistant turn's <|im_end|> (the public agent loop: none)
     sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU; CPU build too)
     rollout_batch_size: int = 64          # requests decoded together, hf sampler slots
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
@@ -187,6 +192,10 @@ def validate(cfg: TrainConfig, world: int) -> None:
                         "engine per rank; tensor parallelism would need a rank group to submit the same requests)")
     if cfg.tool_error_format not in ERROR_FORMATS:
         problems.append(f"tool_error_format must be one of {ERROR_FORMATS}, got {cfg.tool_error_format!r}")
+    try:  # the chat format's fields (protocol.chat_format)
+        chat_format_of(cfg)
+    except ValueError as e:
+        problems.append(str(e))
     if not cfg.data:
         problems.append("data: give at least one JSONL file of problems")
     if problems:
@@ -608,7 +617,7 @@ def setup(cfg: TrainConfig):
     except ValueError as e:
         raise SystemExit(f"input error: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-    fmt = chat_format(cfg.system_prompt, cfg.user_instruction)
+    fmt = chat_format_of(cfg)
     check_inputs(cfg, tokenizer, fmt, problems + eval_problems)
     identity = run_identity(cfg, cfg.data + ([cfg.eval_data] if cfg.eval_data else []))
     start = resume_point(cfg, out, identity, RESUME_FREE)

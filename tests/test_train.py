@@ -202,6 +202,9 @@ def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkey
         train.main(args(tiny, out, "steps=2", "resume=never"))
     with pytest.raises(SystemExit, match=r"another config: steps: 1 -> 2\. .*resume_allow_changes=\[steps\]"):
         train.main(args(tiny, out, "steps=2"))  # more steps than the run was started with: said, not silent
+    with pytest.raises(SystemExit, match=r"another config: tool_name: 'execute_python_code_with_standard_io' -> "
+                                         r"'python_code_with_standard_io'\. "):
+        train.main(args(tiny, out, "steps=1", "tool_name=python_code_with_standard_io"))  # the chat format is the run's
     train.main(args(tiny, out, "steps=2", "resume_allow_changes=[steps]"))  # resume=auto continues at step 1
     assert "resumed from" in capsys.readouterr().out
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
@@ -217,6 +220,8 @@ def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkey
     (["rollouts_per_prompt=3", "group_size=4"], "group_size <= rollouts_per_prompt"),
     (["roc_mode=best"], "roc_mode must be"),
     (["tool_error_format=short"], "tool_error_format must be one of"),
+    (["tool_result_format=json"], "tool_result_format must be one of"),
+    (["user_template=plain"], "user_template must hold \\{problem\\} once"),
     (["group_sise=4"], "unknown config key 'group_sise'"),
     (["sampler=vllm", "vllm_tensor_parallel_size=2"], "vllm_tensor_parallel_size=2: only 1 is supported"),
     (["tool_backend=docker"], "config error: tool_backend must be one of auto, servers, subprocess, got 'docker'$"),
