@@ -18,8 +18,8 @@ Rules (report §2):
 - A call that is not valid JSON, names an unknown tool or has bad arguments is not an exception: `parse_tool_call`
   returns a `ToolCall` with `error` set, the rollout sends that text back as the tool response, and it counts as a
   failed call.
-- The system prompt text is replaceable (config field `system_prompt`): users evaluating the released checkpoint
-  paste the original one; the tiny configs use a compact one because every character is a token there.
+- The system prompt text is replaceable (config field `system_prompt`): the released checkpoint's is a preset
+  (below); the tiny configs use a compact one because every character is a token there.
 
 The choices, config fields of sft.py, train.py and eval.py alike (`CHAT_FIELDS`; `chat_format_of(cfg)` builds the
 ChatFormat from them, in one place; resuming a run with other values is refused like any other config change):
