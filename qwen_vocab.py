@@ -196,6 +196,7 @@ def tokenizer_dir(cache: Path = CACHE) -> Path:
     folder = cache / "qwen3-base-tokenizer"
     if not (folder / "tokenizer.json").is_file():
         tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=fetch_ranks(cache / "qwen.tiktoken").parent))
+        tmp.chmod(0o755)  # mkdtemp's folder is private to its creator; a cache is not
         save_tokenizer(build_tokenizer(cache / "qwen.tiktoken"), tmp)
         try:
             tmp.rename(folder)  # whole or absent; a concurrent build that finished first wins
