@@ -265,7 +265,7 @@ def sampler_logprobs(trajs, width: int) -> torch.Tensor | None:
     """The sampler's log-probs (Trajectory.logprobs, after temperature) in pad_batch's (n, width = L-1) layout,
     aligned with loss_mask; 0 on prompt, tool text (the sampler drew none of it) and padding. None when a
     trajectory carries none (a sampler that gives no log-probs)."""
-    if any(t.logprobs is None for t in trajs):
+    if any(getattr(t, "logprobs", None) is None for t in trajs):
         return None
     out = torch.zeros((len(trajs), width))
     for i, t in enumerate(trajs):
