@@ -1,14 +1,16 @@
 """The sandbox side of the code tool (code_tool.py): the worker server, the call child it forks per
 call, and the per-call interpreter of the portable subprocess backend.
 
-A worker server is one long-lived Python (`python code_sandbox.py --serve MODULES SCRATCH_MB BASE`),
-started by CodeTool, as init of its own namespaces where `unshare` works. It imports MODULES once,
-then answers one JSON request line per call on stdin with one JSON reply line on stdout: it forks a
-call child in a fresh directory under BASE, watches it from outside (wall clock, output bytes),
-kills whatever the call left behind, and describes the outcome. The child confines itself (setsid,
-rlimits, uid drop when root, fresh directory), runs the code as a notebook cell and exits. In its
-own mount namespace the server first covers BASE with a tmpfs of SCRATCH_MB, so the files of a call
-hold at most that much RAM.
+A worker server is one long-lived Python (`python code_sandbox.py --serve OPTIONS BASE`), started by
+CodeTool, as init of its own namespaces where `unshare` works. It imports its modules once, builds
+the Landlock ruleset and installs the seccomp filter (landlock_seccomp.py), then answers one JSON
+request line per call on stdin with one JSON reply line on stdout: it forks a call child in a fresh
+directory under BASE, watches it from outside (wall clock, output bytes), kills whatever the call
+left behind, empties BASE of what the call wrote, and describes the outcome. The child confines
+itself (Landlock, setsid, rlimits, uid drop when root, fresh directory; the filter it inherits),
+runs the code as a notebook cell and exits. In its own mount namespace the server first covers BASE
+with a tmpfs of SCRATCH_MB, so the files of a call hold at most that much RAM, and /dev/shm with a
+directory of it.
 
 Under the subprocess backend, a new interpreter per call runs `run_once(CALL_DIR)`: it sets the same
 limits on itself (where the platform has them), runs the code and exits. Both backends share
@@ -23,7 +25,8 @@ os.register_at_fork runs in every child. Hence:
   every call. Those modules belong to the caller (code_tool.py); a test checks that a call sees none
   of them.
 - The child does the least it can in Python: the server sets what a fork inherits (no_new_privs, the
-  std streams' encodings) once; the child calls `_signal` directly (signal.signal converts its
+  seccomp filter, the std streams' encodings) once and builds the Landlock ruleset, which the child
+  enters with one system call; the child calls `_signal` directly (signal.signal converts its
   result to an enum); the caller, not the child, parses the code to find the expression a notebook
   echoes (building ast objects is costly here).
 - The modules a server holds are also what a call can import in the "fallback-root" mode when the
@@ -467,7 +470,7 @@ def serve(options: dict, base: str) -> None:
     # would cost every child.
     confinement = landlock_seccomp.Confinement(
         options["landlock"], options["seccomp"], (base, shm) if shm else (base,),
-        tuple(options["offer"]), keep=CHOWN if as_root else ())
+        tuple(landlock_seccomp.import_roots(options["offer"])), keep=CHOWN if as_root else ())
     confinement.filter_self()
     try_confinement(confinement)
     utf8_std_streams()
@@ -517,8 +520,9 @@ def run_once(call_dir: str) -> None:
     child. The caller wrote CALL_DIR/request.json, opened stdin, stdout and stderr on files in
     CALL_DIR and made CALL_DIR/work the working directory ($HOME, $TMPDIR); this sets the limits
     (here, not in a preexec_fn, which is unsafe in a threaded caller) and, on Linux, the Landlock
-    domain (CALL_DIR/work writable) and the seccomp filter the request names, runs the code and
-    writes the status record to CALL_DIR/status (opened before the Landlock domain closes it)."""
+    domain (CALL_DIR/work writable; the import roots the caller found read) and the seccomp filter
+    the request names, runs the code and writes the status record to CALL_DIR/status (opened before
+    the Landlock domain closes it)."""
     with open(os.path.join(call_dir, "request.json"), encoding="utf-8") as f:
         request = json.load(f)
     workdir = os.path.join(call_dir, "work")
@@ -530,7 +534,7 @@ def run_once(call_dir: str) -> None:
     if sys.platform.startswith("linux"):
         try:
             confinement = landlock_seccomp.Confinement(request["landlock"], request["seccomp"],
-                                                       (workdir,), PRELOAD)
+                                                       (workdir,), tuple(request["roots"]))
             confinement.filter_self()
             confinement.restrict()
             if confinement.ruleset is not None:

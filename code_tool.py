@@ -28,48 +28,59 @@ os.pidfd_open and os.memfd_create work (Linux), else "subprocess":
 A server that dies or stops answering is replaced and its call reports "crash"; close(), garbage
 collection and interpreter exit end every process the tool started.
 
-Sandbox modes (`CodeTool.sandbox`; `CodeTool.sandbox_line` says it in one line, which train.py and
-eval.py print and save as sandbox.txt in their run folder). In every mode: the wall-clock timeout,
-the output cap, a fresh directory per call as cwd, $HOME and $TMPDIR (removed after the call), and
-an environment with only PATH, PYTHONPATH and LD_LIBRARY_PATH of the caller's (and SYSTEMROOT on
-Windows).
-- "namespaces" (servers; util-linux `unshare` works, as root or in a user namespace): each server is
-  init of its own PID, mount and network namespace. Protects: no network (not even loopback); the
-  caller's processes can be neither seen nor signalled; every process a call starts is killed when
-  it ends; memory_mb caps the address space of each process; files are capped at
-  code_sandbox.FILE_LIMIT_MB each and a call's directory at code_sandbox.SCRATCH_MB in all (a tmpfs
-  in the server's mount namespace, so RAM); no new privileges (setuid binaries give none), no core
-  files, CPU time capped. As root, the code runs as nobody (at most code_sandbox.NPROC_LIMIT
-  processes), and directories nobody cannot enter on the way to the Python install (e.g. /root) are
-  covered by an empty tmpfs. Does not protect, when not root: the code runs as your uid and can read
-  and WRITE your files (home directory included).
-- "fallback-root" (servers; no usable unshare, e.g. a container without CAP_SYS_ADMIN; caller is
-  root): the code runs as nobody with the same rlimits; leftover processes are found by walking
-  /proc below the server (a child subreaper). Does not protect: the network is open; every process
-  is visible (none signallable); the call directories are on disk, capped per file only; a Python
-  install under /root gives the code only the modules the server holds (PRELOAD, code_sandbox's).
-- "fallback-user" (servers; no usable unshare, e.g. unprivileged user namespaces disabled; not
-  root): as fallback-root, but the code runs as your uid: it can read and WRITE your files, read the
-  environment of your processes (/proc/PID/environ: tokens, keys) and signal them, the trainer
-  included; the network is open.
-- "subprocess" (the portable backend): the code runs as your uid (as root, when the caller is root).
-  POSIX: rlimits on file size, core files and CPU time, on Linux memory_mb too (beyond a fresh
-  interpreter's size, so what the code imports counts), and the call's process group is killed when
-  it ends. Does not protect: the network is open; your files are readable and writable; its parent
-  is the caller, so `os.kill(os.getppid(), 9)` ends the caller; a process that leaves the group with
-  setsid() outlives the call; no process cap, no new-privileges flag; the call directory is on disk,
-  capped per file only; no memory cap off Linux; on Windows, no rlimits at all, and only the
-  interpreter itself is killed.
+Sandbox modes (`CodeTool.sandbox`; `CodeTool.sandbox_line` says it in one line, led by the mode and the kernel
+layers that hold, e.g. "namespaces+landlock(v7)+seccomp"; train.py and eval.py print it and save it as sandbox.txt
+in their run folder). In every mode: the wall-clock timeout, the output cap, a fresh directory per call as cwd,
+$HOME and $TMPDIR (removed after the call), and an environment with only PATH, PYTHONPATH and LD_LIBRARY_PATH of
+the caller's (and SYSTEMROOT on Windows). In every Linux mode also two kernel layers, in force before the code runs
+and inherited by all it starts (landlock_seccomp.py says exactly what each allows):
+- Landlock (Linux 5.13+): the code reads and executes only the Python install and the offered modules, reads the
+  system's shared libraries, and writes only its call directory: not your home, the run folders, the project, /tmp,
+  the machine's /dev/shm, nor /proc. ABI 4 (Linux 6.7) adds: no TCP; ABI 6 (6.12): no signal to a process outside
+  the call's own (the trainer, its server).
+- seccomp: ptrace, mount and namespace calls, bpf, perf_event_open, keyrings, io_uring, kernel modules and kexec,
+  socket() of any family, SysV IPC, and changes to files' modes, owners, times and extended attributes, among
+  others, fail with PermissionError.
+A kernel without one of them (or an older ABI) runs without it (or with what the ABI has), and the line says so.
+- "namespaces" (servers; util-linux `unshare` works, as root or in a user namespace): each server is init of its
+  own PID, mount and network namespace. Protects: no network (not even loopback); the caller's processes can be
+  neither seen nor signalled; every process a call starts is killed when it ends; memory_mb caps the address space
+  of each process; files are capped at code_sandbox.FILE_LIMIT_MB each and a call's files at code_sandbox.SCRATCH_MB
+  in all (a tmpfs in the server's mount namespace, so RAM), its private /dev/shm included (emptied after each call:
+  multiprocessing's locks and queues work); no new privileges (setuid binaries give none), no core files, CPU time
+  capped. As root, the code runs as nobody (at most code_sandbox.NPROC_LIMIT processes), and directories nobody
+  cannot enter on the way to the Python install (e.g. /root) are covered by an empty tmpfs. Not root, the code runs
+  as your uid: without Landlock it can read and WRITE your files (home directory included).
+- "fallback-root" (servers; no usable unshare, e.g. a container without CAP_SYS_ADMIN; caller is root): the code
+  runs as nobody with the same rlimits; leftover processes are found by walking /proc below the server (a child
+  subreaper). Lacks, against "namespaces": the call directories are on disk, capped per file only; no /dev/shm for
+  the code, so multiprocessing's locks fail where Landlock holds; a Python install under /root gives the code only
+  the modules the server holds (PRELOAD, code_sandbox's). Without Landlock /proc shows every process, and without
+  ABI 6 a call can signal other processes of nobody (other calls); without the layers the network is open.
+- "fallback-user" (servers; no usable unshare, e.g. unprivileged user namespaces disabled; not root): as
+  fallback-root, but the code runs as your uid. With Landlock (ABI 6 or later) and seccomp, your files, the
+  environments of your processes and the network are out of its reach and your processes cannot be signalled; with
+  an older ABI they still can be (the trainer included); without the layers the code can read and WRITE your files,
+  read the environment of your processes (/proc/PID/environ: tokens, keys), signal them, and use the network.
+- "subprocess" (the portable backend): the code runs as your uid (as root, when the caller is root). POSIX: rlimits
+  on file size, core files and CPU time, on Linux memory_mb too (beyond a fresh interpreter's size, so what the
+  code imports counts), the two kernel layers and no new privileges, and the call's process group is killed when it
+  ends. Does not protect: its parent is the caller, so without Landlock ABI 6 `os.kill(os.getppid(), 9)` ends the
+  caller; a process that leaves the group with setsid() outlives the call; no process cap; the call directory is on
+  disk, capped per file only, and there is no /dev/shm for the code (as in the fallbacks); macOS and Windows get
+  neither kernel layer (your files readable and writable, the network open) and no memory cap; Windows no rlimits at
+  all, and only the interpreter itself is killed.
 
-`require_isolation=True` (config field `tool_require_isolation`) refuses to start in any mode but
-"namespaces".
+`require_isolation=True` (config field `tool_require_isolation`) refuses to start unless the mode is "namespaces"
+and both kernel layers hold (Landlock of any ABI: in that mode the network and PID namespaces already give what ABI
+4 and 6 add, and seccomp refuses the truncations ABI 1 and 2 cannot stop).
 
-Not covered in any mode: this is not a security boundary against a determined attacker (no seccomp;
-the kernel is exposed). Code can read world-readable files and write world-writable places (/tmp,
-/dev/shm), where files outlive the call (capped per file only). memory_mb caps each process, not the
-sum over the processes a call starts. CPU is shared between calls only by the kernel scheduler. A
-caller killed with SIGKILL leaves servers that exit at EOF on their stdin, after at most one call
-(subprocess backend: running calls end at their CPU limit or when they finish).
+Not covered in any mode: a kernel bug or a side channel (timing, speculative execution) gets past every layer; the
+code can learn which paths exist and their sizes (stat), though not read them; memory_mb caps each process, not the
+sum over the processes a call starts; CPU is shared between calls only by the kernel scheduler, and without
+namespaces the code can still change the scheduling (affinity, I/O priority) of your other processes. A caller
+killed with SIGKILL leaves servers that exit at EOF on their stdin, after at most one call (subprocess backend:
+running calls end at their CPU limit or when they finish).
 
 Demo: `.venv/bin/python code_tool.py [subprocess]`. Tests: tests/test_code_tool.py. Benchmark:
 bench/code_tool.py.
@@ -632,7 +643,7 @@ class _Subprocesses:
     def __init__(self, workers: int, limits: dict, max_chars: int, env: dict,
                  error_format: str = "full", layers: dict | None = None):
         self.limits, self.max_chars, self.env = limits, max_chars, env
-        self.layers = layers or {"landlock": 0, "seccomp": False}  # what each call confines itself with
+        self.layers = layers or {"landlock": 0, "seccomp": False, "roots": []}  # each call's confinement
         self.error_format = error_format
         self.lock, self.closed = threading.Lock(), False
         self.running = {}  # Popen -> {"deadline", "outputs" (paths), "reason" it was killed for}
@@ -790,7 +801,8 @@ class CodeTool:
         limits = {"timeout": timeout, "memory_mb": memory_mb, "max_bytes": max_output_bytes}
         if self.backend == "subprocess":
             self.light_workers = 0
-            layers = {"landlock": sandbox.landlock, "seccomp": sandbox.seccomp}
+            layers = {"landlock": sandbox.landlock, "seccomp": sandbox.seccomp,  # found once, here
+                      "roots": landlock_seccomp.import_roots(preload) if sandbox.landlock else []}
             self._backend = _Subprocesses(self.workers, limits, max_output_chars, env, error_format,
                                           layers)
         else:

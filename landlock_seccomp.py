@@ -222,18 +222,21 @@ def describe(landlock: int, seccomp: bool) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- the rules
-def _import_root(name: str) -> str | None:
-    """The directory a top-level module is imported from (its sys.path entry), without importing it."""
-    module = sys.modules.get(name)
-    origin = getattr(module, "__file__", None) if module else None
-    if module is None:
-        from importlib.machinery import PathFinder
-        spec = PathFinder.find_spec(name)
-        origin = spec.origin if spec and spec.has_location else None
-    if not origin:
-        return None  # built into the interpreter
-    folder = os.path.dirname(origin)
-    return os.path.dirname(folder) if os.path.basename(origin).startswith("__init__.") else folder
+def import_roots(modules: tuple) -> list[str]:
+    """The directories the non-standard-library modules among `modules` are imported from (their sys.path
+    entries), found without importing them. (The standard library lives in the Python install.)"""
+    roots = []
+    for name in (m for m in modules if m not in sys.stdlib_module_names):
+        module = sys.modules.get(name)
+        origin = getattr(module, "__file__", None) if module else None
+        if module is None:
+            from importlib.machinery import PathFinder
+            spec = PathFinder.find_spec(name)
+            origin = spec.origin if spec and spec.has_location else None
+        if origin:  # (None: built into the interpreter, or not installed)
+            folder = os.path.dirname(origin)
+            roots.append(os.path.dirname(folder) if os.path.basename(origin).startswith("__init__.") else folder)
+    return roots
 
 
 def _mapped_files() -> set[str]:
@@ -244,13 +247,13 @@ def _mapped_files() -> set[str]:
     return {p for p in paths if p.startswith("/") and not p.endswith("(deleted)") and os.path.isfile(p)}
 
 
-def path_rules(modules: tuple = (), writable: tuple = ()) -> list[tuple[str, int]]:
-    """(path, allowed access) for every rule: the Python install and the offered modules' import roots (read,
-    execute), the loader's and the mapped libraries' directories (read), the dynamic loader (execute), a few
-    system files and devices, and `writable` (SCRATCH). Paths are resolved; one beneath another read root goes."""
+def path_rules(roots: tuple = (), writable: tuple = ()) -> list[tuple[str, int]]:
+    """(path, allowed access) for every rule: the Python install and `roots`, the offered modules' import roots
+    (import_roots), to read and execute; the loader's and the mapped libraries' directories to read; the dynamic
+    loader to execute; a few system files and devices; and `writable` (SCRATCH). Paths are resolved; one beneath
+    another read root goes."""
     mapped = _mapped_files()
-    python = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}
-    python |= {root for name in modules if (root := _import_root(name))}
+    python = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, *roots}
     python = {os.path.realpath(p) for p in python if os.path.isdir(p)}
     libs = {os.path.realpath(p) for p in LOADER_DIRS if os.path.isdir(p)}
     libs |= {os.path.dirname(os.path.realpath(p)) for p in mapped}
@@ -304,11 +307,11 @@ def seccomp_program(machine: str, keep: tuple = ()) -> list[tuple[int, int, int,
 class Confinement:
     """The Landlock ruleset and the seccomp program, built once (rules added, instructions assembled) in the
     process that forks the calls, or in a call's own interpreter. landlock: the ABI to use (0: none); seccomp:
-    have a filter; writable: the directories a call may write; modules: the offered modules (read and execute
-    beneath their import roots); keep: DENIED calls the filter leaves allowed (a root server chowns each call
-    directory to nobody; its calls, as nobody, own nothing else). Raises OSError where the kernel refuses."""
+    have a filter; writable: the directories a call may write; roots: the offered modules' import roots (read and
+    execute beneath them, import_roots); keep: DENIED calls the filter leaves allowed (a root server chowns each
+    call directory to nobody; its calls, as nobody, own nothing else). Raises OSError where the kernel refuses."""
 
-    def __init__(self, landlock: int, seccomp: bool, writable: tuple, modules: tuple = (), keep: tuple = ()):
+    def __init__(self, landlock: int, seccomp: bool, writable: tuple, roots: tuple = (), keep: tuple = ()):
         self.abi, self.ruleset, self.fprog = min(landlock, MAX_ABI), None, None
         if self.abi:
             fs = (FS_REFER - 1) | (FS_REFER if self.abi >= 2 else 0) | (FS_TRUNCATE if self.abi >= 3 else 0) | \
@@ -317,7 +320,7 @@ class Confinement:
                                 SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if self.abi >= 6 else 0)
             size = 8 if self.abi < 4 else 16 if self.abi < 6 else 24  # the fields this ABI knows
             self.ruleset = _syscall(LANDLOCK_NR["create_ruleset"], ctypes.byref(attr), _long(size), _long(0))
-            for path, access in path_rules(modules, writable):
+            for path, access in path_rules(roots, writable):
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
                 try:
                     rule = _PathBeneath(access & fs & (ALL if os.path.isdir(path) else FILE_RIGHTS), fd)
