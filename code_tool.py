@@ -82,8 +82,8 @@ namespaces the code can still change the scheduling (affinity, I/O priority) of 
 killed with SIGKILL leaves servers that exit at EOF on their stdin, after at most one call (subprocess backend:
 running calls end at their CPU limit or when they finish).
 
-Demo: `.venv/bin/python code_tool.py [subprocess]`. Tests: tests/test_code_tool.py. Benchmark:
-bench/code_tool.py.
+Demo: `.venv/bin/python code_tool.py [subprocess]`. Tests: tests/test_code_tool.py, and the hostile calls per mode,
+as root and as nobody, tests/test_code_tool_boundary.py. Benchmark: bench/code_tool.py.
 """
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ the CPU one call costs each way. And what the kernel layers cost (landlock_secco
 with Landlock and seccomp and on tools without them (kernel_layers=False), alternating blocks over the rounds as
 above: trivial calls at 1 and 16 in flight, the sympy solve, an import of numpy and sympy from disk (a pool that
 preloads neither: every file the import opens passes Landlock's checks), trivial calls on the subprocess backend;
-then CPU and child page faults per trivial call, each way (`--layers-only`: just this part). The plain side starts sys.executable, so that interpreter's start-up is the
+then CPU and child page faults per trivial call, each way, and the time a forked child takes to enter the Landlock
+domain (`--layers-only`: just this part). The plain side starts sys.executable, so that interpreter's start-up is the
 baseline: install this project as the Makefile does (`editable_mode=compat`); setuptools' default editable mode adds
 an import hook to every start, which would flatter CodeTool.
 Run: `.venv/bin/python bench/code_tool.py [--quick] [--workers W] [--layers-only]`.
@@ -28,12 +29,14 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import landlock_seccomp  # noqa: E402
 from code_sandbox import PRELOAD  # noqa: E402
 from code_tool import CodeTool, default_workers  # noqa: E402
 
@@ -171,6 +174,32 @@ LAYERS_WORKLOADS = (  # (name, code, backend, light-only preload, in flight, cal
 )
 
 
+def entry_cost(n: int = 300) -> tuple[float, float]:
+    """Microseconds a forked child spends entering the Landlock domain (Confinement.restrict, all a call child does
+    for it) and the page faults that takes, each the mean over n forks of this process, minus a child that does
+    nothing in its place."""
+    confinement = landlock_seccomp.Confinement(landlock_seccomp.landlock_abi(), False, (tempfile.gettempdir(),))
+    spent = {}
+    for enter in (False, True):
+        read, write = os.pipe()
+        total = faults = 0.0
+        for _ in range(n):
+            if (pid := os.fork()) == 0:
+                before, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+                if enter:
+                    confinement.restrict()
+                took = time.perf_counter() - start
+                os.write(write, f"{took} {resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}\n".encode())
+                os._exit(0)
+            os.waitpid(pid, 0)
+            took, fault = os.read(read, 100).split()
+            total, faults = total + float(took), faults + int(fault)
+        os.close(read)
+        os.close(write)
+        spent[enter] = (total / n * 1e6, faults / n)
+    return spent[True][0] - spent[False][0], spent[True][1] - spent[False][1]
+
+
 def layers_cost(workers: int, scale: float, rounds: int) -> None:
     """What Landlock and seccomp cost: each workload on a tool with the kernel layers and one without
     (kernel_layers=False), alternating in one run; then CPU and page faults per trivial call, each way."""
@@ -205,6 +234,10 @@ def layers_cost(workers: int, scale: float, rounds: int) -> None:
     print(f"CPU per trivial call at 16 in flight (servers, their call children and the caller): with {cpu[True]:.2f} "
           f"ms, without {cpu[False]:.2f} ms ({cpu[True] / cpu[False] - 1:+.1%}); page faults of a trivial call's "
           f"child: with {faults[True]:.0f}, without {faults[False]:.0f}")
+    if landlock_seccomp.landlock_abi():
+        micros, faults = entry_cost()
+        print(f"A forked child entering the Landlock domain (its one system call): {micros:.0f} us, {faults:.1f} "
+              "page faults more than a child that does not")
 
 
 def soak(tool: CodeTool, n: int, in_flight: int) -> dict:
