@@ -169,7 +169,7 @@ class _SockFilter(ctypes.Structure):  # struct sock_filter: one BPF instruction
 
 
 class _SockFprog(ctypes.Structure):  # struct sock_fprog
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
 def _long(value: int) -> ctypes.c_long:
@@ -244,7 +244,7 @@ def _mapped_files() -> set[str]:
     offset, device, inode, path."""
     with open("/proc/self/maps") as f:
         paths = {fields[5].strip() for line in f if len(fields := line.split(None, 5)) == 6}
-    return {p for p in paths if p.startswith("/") and not p.endswith("(deleted)") and os.path.isfile(p)}
+    return {p for p in paths if p.startswith("/") and not p.endswith("(deleted)")}
 
 
 def path_rules(roots: tuple = (), writable: tuple = ()) -> list[tuple[str, int]]:
@@ -255,14 +255,14 @@ def path_rules(roots: tuple = (), writable: tuple = ()) -> list[tuple[str, int]]
     mapped = _mapped_files()
     python = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, *roots}
     python = {os.path.realpath(p) for p in python if os.path.isdir(p)}
-    libs = {os.path.realpath(p) for p in LOADER_DIRS if os.path.isdir(p)}
-    libs |= {os.path.dirname(os.path.realpath(p)) for p in mapped}
+    libs = {os.path.realpath(p) for p in {*LOADER_DIRS, *map(os.path.dirname, mapped)} if os.path.isdir(p)}
 
     def beneath(path, roots):
         return any(path.startswith(root + "/") for root in roots if root != path)
     rules = [(p, READ_EXEC) for p in sorted(python) if not beneath(p, python)]
     rules += [(p, READ) for p in sorted(libs) if not beneath(p, python | libs)]
-    rules += [(os.path.realpath(p), READ_EXEC) for p in mapped if os.path.basename(p).startswith("ld-")]
+    rules += [(os.path.realpath(p), READ_EXEC) for p in mapped if os.path.basename(p).startswith("ld-")
+              and os.path.isfile(p)]
     rules += [(os.path.realpath(p), FS_READ_FILE) for p in READ_FILES if os.path.exists(p)]
     rules += [("/dev/null", FS_READ_FILE | FS_WRITE_FILE | FS_TRUNCATE)] if os.path.exists("/dev/null") else []
     return rules + [(os.path.realpath(p), SCRATCH) for p in writable]
@@ -334,7 +334,7 @@ class Confinement:
         if seccomp:
             program = seccomp_program(MACHINE, keep)
             self.filter = (_SockFilter * len(program))(*[_SockFilter(*insn) for insn in program])
-            self.fprog = _SockFprog(len(program), self.filter)
+            self.fprog = _SockFprog(len(program), ctypes.addressof(self.filter))
 
     def filter_self(self) -> None:
         """No new privileges, then the seccomp filter (if any) on this process and all it forks from now on: once
