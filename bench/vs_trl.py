@@ -37,7 +37,7 @@ Differences between the two workloads that could bias the ratio (docs/benchmarks
     longest, each turn re-reading the whole history without a cache and running until the batch's longest turn
     ends; ours is one continuous batch (a slot per rollout, an in-place KV cache, earlier turns' keys and values
     reused, a finished turn leaving at once). trl_cb uses transformers' continuous batching, but still one
-    `generate_batch` per turn and no reuse of earlier turns.
+    `generate_batch` per turn, with a paged cache sized for this job (CB_CONFIG).
  2. Tool calls: TRL runs them one after another (a sync tool function per call) after the whole turn's batch ends;
     ours sends each call the moment its turn ends, on 2 workers, while the others keep generating.
  3. Budget: TRL lets every turn sample up to 320 new tokens and then cuts the completion back to the budget (the
@@ -124,8 +124,8 @@ CHAT_TEMPLATE = (
 )
 # transformers' continuous batching sized for this job. Left to itself it sizes its paged cache from free memory
 # (TRL caps it at half): 12 GB on a 24 GB machine, and every forward's attention mask spans the whole cache, so it ran
-# 4x slower; this holds 8K tokens (128 rollouts of ~64) and reads at most 512 tokens a forward. Of the sizes tried
-# on this machine it was the fastest (bench/vs_trl.py's docstring, item 1).
+# 4x slower; this holds 8K tokens (128 rollouts of ~64) and reads at most 512 tokens a forward: the fastest of four
+# sizes tried on this machine. It is still slower than plain `generate` here (docs/benchmarks.md).
 CB_CONFIG = {"num_blocks": 128, "page_size": 64, "max_batch_tokens": 512}
 # How transformers' `parse_response` reads a turn of this markup: each <tool_call> body as JSON, the rest as content.
 RESPONSE_TEMPLATE = {
@@ -482,7 +482,8 @@ def table(rounds: list[dict[str, dict]], arms: list[str]) -> str:
         lines.append(f"{ARMS[a]:<32}" + " ".join(f"{r:.2f}" for r in curve))
     base = next((a for a in ("trl", "trl_cb") if a in arms), None)
     if base:
-        lines += ["", f"side by side, per round (median (range)): {ARMS[base]} ÷ each arm"]
+        lines += ["", f"speed-up over {ARMS[base]}, per round (median (range)): its s/step ÷ the arm's, "
+                  "the arm's sampled tok/s ÷ its"]
         for a in arms:
             if a != base:
                 s = [figs[base][i]["s_per_step"] / figs[a][i]["s_per_step"] for i in range(len(rounds))]
