@@ -110,7 +110,7 @@ class EvalConfig:
     tool_memory_mb: int = 512
     tool_max_output_chars: int = 1000
     tool_backend: str = "auto"            # auto | servers (Linux) | subprocess (portable, slower)
-    tool_require_isolation: bool = False  # refuse to start unless model code runs in namespaces
+    tool_require_isolation: bool = False  # refuse to start without namespaces, Landlock and seccomp
     tool_error_format: str = "full"       # a failed call's text: full (compact traceback) | last_line (exception only)
     # --- vLLM (sampler=vllm only)
     vllm_tensor_parallel_size: int = 1

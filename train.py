@@ -120,7 +120,7 @@ class TrainConfig:
     tool_memory_mb: int = 512
     tool_max_output_chars: int = 1000     # public code: 1,000 characters
     tool_backend: str = "auto"            # auto | servers (Linux) | subprocess (portable, slower)
-    tool_require_isolation: bool = False  # refuse to start unless model code runs in namespaces
+    tool_require_isolation: bool = False  # refuse to start without namespaces, Landlock and seccomp
     tool_error_format: str = "full"       # a failed call's text: full (compact traceback) | last_line (exception only)
     # --- optimizer (report §4)
     lr: float = 1e-6                      # constant after warm-up

@@ -9,6 +9,7 @@ from fractions import Fraction
 import pytest
 
 import eval as ev
+from code_tool import choose_sandbox
 from config import load_config
 from protocol import IM_END, format_tool_call
 from rollout import ToolCallRecord, Trajectory
@@ -194,7 +195,7 @@ def test_cli_run_with_scripted_sampler_writes_results_and_exactly_the_unsolved(t
     text = ev.show(tmp_path / "out" / "trajectories.jsonl", 0)
     assert "Problem A." in text and "--- tool call ok: code\nprint(3*4)" in text and "\\boxed{12}" in text
     assert "--- tool response\nok\n12" in text
-    assert (tmp_path / "out" / "sandbox.txt").read_text().startswith("code tool sandbox: subprocess (")
+    assert (tmp_path / "out" / "sandbox.txt").read_text() == choose_sandbox("subprocess").line() + "\n"  # layers too
 
 
 class PublicFormatSampler(TurnSampler):
