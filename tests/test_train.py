@@ -2,6 +2,8 @@
 policy on the real tiny model, input errors, the dry-run plan, and the run-folder rules."""
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,6 +158,25 @@ def test_corrections_change_the_update_as_their_formulas_say(tiny):
     assert not any(k.startswith("mismatch/") for k in plain)  # nothing to measure
     with pytest.raises(SystemExit, match="mismatch_correction=tis needs the sampler's log-probs"):
         updated_weights(tiny, kept_plain, 2, mismatch_correction="tis")
+
+
+def test_the_gap_bench_measures_a_known_shift_and_what_the_corrections_would_do(tiny):
+    """bench/mismatch.py's table on rollouts from an engine off by a known shift s per sampled token (log pi_old -
+    log pi_sampler = -s): mean and largest |delta| are s; tis caps a token only where r = e^-s exceeds its cap 2
+    (s = -1: every token, s = 0.25: none); seq_mask drops every rollout whose geometric mean e^-s leaves [0.999,
+    1.001] and none when s = 0."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import mismatch as bench
+    model = AutoModelForCausalLM.from_pretrained(tiny / "base")
+    cfg = train.TrainConfig()
+    for s, capped, dropped in [(0.25, 0.0, 1.0), (-1.0, 1.0, 1.0), (0.0, 0.0, 0.0)]:
+        _, kept = kept_batch(tiny, logprob_shift=s)
+        trajs = [t for t, _ in kept]
+        m = bench.gap(model, trajs, 1.0, cfg, pad_id=0, micro=3)  # 3 rows per forward: padding in play
+        assert m["tokens"] == sum(sum(t.loss_mask) for t in trajs) and m["rollouts"] == 8
+        assert m["logp_abs_diff_mean"] == pytest.approx(abs(s), abs=1e-5)
+        assert m["token_max"] == pytest.approx(abs(s), abs=1e-5)
+        assert m["tis_capped_frac"] == capped and m["seq_mask_dropped_frac"] == dropped, s
 
 
 def spy_forwards(monkeypatch):
