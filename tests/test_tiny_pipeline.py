@@ -55,6 +55,7 @@ def test_quick_pipeline_runs_every_stage_and_a_changed_rerun_ends_with_its_own_n
     assert phases["sft"]["parts"]["training"] > 0
     assert all(phases[s]["parts"]["rollout"] > 0 and phases[s]["parts"]["update"] > 0 for s in ("stage1", "stage2"))
     assert phases["eval_stage3"]["parts"]["rollouts_and_scoring"] > 0
+    assert phases["val_stage3"]["parts"]["rollouts_and_scoring"] > 0
     for before, stage in (("sft", "stage1"), ("stage1", "stage2"), ("stage2", "stage3")):
         assert phases[f"eval_{before}"]["beside_next"] and phases[f"eval_{before}"]["start_s"] <= phases[stage]["start_s"]
     assert "where the time went" in done.stdout
