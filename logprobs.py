@@ -44,6 +44,7 @@ class _SampledLogprobs(torch.autograd.Function):
             # each row's log-softmax is computed exactly as over the whole tensor: the same numbers, a chunk at a time
             logp = torch.log_softmax(logits[s:s + rows].float() / temperature, dim=-1)  # (C, V) fp32
             out[s:s + rows] = logp.gather(-1, targets[s:s + rows, None]).squeeze(-1)
+            del logp  # freed before the next chunk's two are made
         ctx.save_for_backward(logits, targets)
         ctx.temperature = temperature
         return out
@@ -58,6 +59,7 @@ class _SampledLogprobs(torch.autograd.Function):
             p = torch.log_softmax(logits[s:s + rows].float() / T, dim=-1).exp_()
             p.mul_(-g).scatter_add_(-1, targets[s:s + rows, None], g).div_(T)
             logits[s:s + rows] = p  # the gradient replaces this chunk's logits (cast to their dtype)
+            del p
         return logits, None, None
 
 

@@ -81,8 +81,11 @@ def variant(way: str, compute: str, tokens: int, hidden: int, out: Path) -> dict
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     running, peak = 0, 0
-    for event in sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start):
-        running += event.cpu_memory_usage
+    # every allocation and free, in time order (the raw "[memory]" records: prof.events() folds those made
+    # inside an op into it, and its children's again into each parent)
+    records = prof.profiler.kineto_results.events()
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in records if e.name() == "[memory]"):
+        running += nbytes
         peak = max(peak, running)
     return {"tensors": peak, "rss": rss_peak}
 
