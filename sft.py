@@ -60,7 +60,7 @@ from tqdm import tqdm
 
 from checkpoint import (begin_run, input_dtype, latest_checkpoint, load_checkpoint, resume_point, run_identity,
                         save_checkpoint, save_model)
-from config import check_ranges, config_dict, format_config, parse_cli, save_config
+from config import check_ranges, format_config, parse_cli, save_config, tracker_config
 from data import check_model_path, load_conversations, load_pretrained
 from protocol import DEFAULT_USER_INSTRUCTION, chat_format, encode
 
@@ -220,7 +220,7 @@ def make_accelerator(cfg: SFTConfig) -> tuple[Accelerator, int]:
     acc = Accelerator(cpu=cpu, gradient_accumulation_steps=grad_accum, mixed_precision=cfg.mixed_precision,
                       log_with=cfg.report_to if cfg.report_to else None, project_dir=cfg.out_dir)
     if cfg.report_to:
-        acc.init_trackers("sft", config=config_dict(cfg))
+        acc.init_trackers("sft", config=tracker_config(cfg))
     return acc, grad_accum
 
 

@@ -45,7 +45,7 @@ from tqdm import tqdm
 from checkpoint import (begin_run, input_dtype, latest_checkpoint, load_checkpoint, resume_point, run_identity,
                         save_checkpoint, save_model)
 from code_tool import ERROR_FORMATS, CodeTool, SandboxError, announce, choose_sandbox
-from config import check_ranges, format_config, parse_cli, save_config
+from config import check_ranges, format_config, parse_cli, save_config, tracker_config
 from data import check_model_path, load_pretrained, load_problems
 from hf_sampler import HFSampler
 from logprobs import sampled_logprobs
@@ -631,7 +631,7 @@ def setup(cfg: TrainConfig):
         save_config(cfg, out / "config.yaml")
         (out / "sandbox.txt").write_text(announce(sandbox) + "\n")
         if cfg.report_to:
-            acc.init_trackers("rstar2", config={k: str(v) for k, v in vars(cfg).items()})
+            acc.init_trackers("rstar2", config=tracker_config(cfg))
     set_seed(cfg.seed + acc.process_index)  # rollouts differ per rank; everything else is seeded explicitly
     # fp32 master weights whatever the checkpoint's dtype: AdamW's steps at lr 1e-6 are far below bf16's
     # resolution (they would round away); mixed_precision=bf16 computes in bf16.

@@ -391,3 +391,10 @@ def test_gradient_checkpointing_recomputes_each_layer_and_changes_no_number(tiny
         outs[checkpointing] = (len(calls), AutoModelForCausalLM.from_pretrained(out).state_dict())
     assert outs[False][0] == 2 and outs[True][0] == 4  # 2 layers x 1 micro-batch, then x 2 with recomputation
     assert all(torch.equal(outs[False][1][k], outs[True][1][k]) for k in outs[False][1])
+
+
+def test_the_tensorboard_tracker_of_the_qwen3_configs_takes_the_config(tiny, tmp_path, one_torch_thread):
+    """report_to=tensorboard (configs/qwen3-*/sft.yaml): the config's None and list values reach TensorBoard's
+    hparams as text (before: "ValueError: value should be one of int, float, str, bool" before the first step)."""
+    out = train(_cfg(tiny, tmp_path / "run", max_steps=1, report_to="tensorboard"))
+    assert out.is_dir() and list((tmp_path / "run").rglob("events.out.tfevents.*"))
