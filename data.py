@@ -107,6 +107,9 @@ def write_jsonl(path, rows) -> Path:
 
 # What save_pretrained writes for the weights: one file, or an index of shards.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# What save_pretrained writes for a tokenizer (one of them suffices). Without any, transformers builds an empty
+# tokenizer from config.json's model type, and every text encodes to no tokens.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # org/name, as the Hugging Face Hub spells ids
 
 
@@ -122,6 +125,9 @@ def check_model_path(path: str) -> None:
         if not any((p / name).is_file() for name in WEIGHT_FILES):
             raise ValueError(f"model_path {path!r} is not a whole model folder: config.json but no weights "
                              f"(model.safetensors, pytorch_model.bin or a shard index) in {p.resolve()}")
+        if not any((p / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(f"model_path {path!r} is not a whole model folder: no tokenizer (tokenizer.json or "
+                             f"tokenizer_config.json) in {p.resolve()}")
         return
     if p.exists():
         raise ValueError(f"model_path {path!r} is not a model folder (no config.json there)")

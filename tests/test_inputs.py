@@ -27,13 +27,15 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("inputs")
     build_tiny(root / "base", hidden=32, layers=2, heads=2)
     write_jsonl(root / "say.jsonl", say_problems(4))
+    write_jsonl(root / "sft.jsonl", [{"messages": [{"role": "user", "content": "Say 1."},
+                                                   {"role": "assistant", "content": "</reason>\n1"}]}])
     return root
 
 
 def run_entry(entry: str, tiny: Path, out: Path, *extra: str):
     """Run an entry point as the command line would, on the tiny model; returns the SystemExit it raised."""
     base = {"train": [str(ROOT / "configs/tiny/stage1.yaml"), f"data=[{tiny / 'say.jsonl'}]", "eval_data=null"],
-            "sft": [str(ROOT / "configs/tiny/sft.yaml")],
+            "sft": [str(ROOT / "configs/tiny/sft.yaml"), f"data={tiny / 'sft.jsonl'}"],
             "eval": [str(ROOT / "configs/tiny/eval.yaml"), f"benchmarks=[{tiny / 'say.jsonl'}]"]}[entry]
     argv = base + [f"model_path={tiny / 'base'}", f"out_dir={out}", *extra]
     main = {"train": train.main, "eval": ev.main, "sft": lambda a: sft.train(parse_cli(sft.SFTConfig, a))}[entry]
@@ -120,7 +122,9 @@ def test_a_mistyped_model_path_in_a_fresh_checkout_is_one_line(tiny, tmp_path, e
 
 @pytest.mark.parametrize("entry", ["train", "sft", "eval"])
 def test_a_model_folder_without_weights_or_tokenizer_is_one_line(tiny, tmp_path, entry):
-    """An incomplete folder: config.json and no weights (refused before any work), or weights and no tokenizer."""
+    """An incomplete folder: config.json and no weights, or weights and no tokenizer (from which transformers builds
+    an empty tokenizer that encodes every text to no tokens), refused before any work; a tokenizer file that cannot
+    be read is named with the loader's own words."""
     import shutil
     folder = tmp_path / "partial"
     folder.mkdir()
@@ -128,6 +132,9 @@ def test_a_model_folder_without_weights_or_tokenizer_is_one_line(tiny, tmp_path,
     message = run_entry(entry, tiny, tmp_path / "out", f"model_path={folder}")
     assert "is not a whole model folder: config.json but no weights" in message and "\n" not in message
     shutil.copy(tiny / "base" / "model.safetensors", folder)
+    message = run_entry(entry, tiny, tmp_path / "out", f"model_path={folder}")
+    assert "is not a whole model folder: no tokenizer" in message and "\n" not in message, message
+    (folder / "tokenizer.json").write_text("{ not json")
     message = run_entry(entry, tiny, tmp_path / "out", f"model_path={folder}")
     assert message.startswith(("input error: ", "sft: ")) and "\n" not in message, message
     assert f"AutoTokenizer could not load it (looked in the folder {folder})" in message, message
