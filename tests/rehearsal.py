@@ -1,4 +1,4 @@
-"""The real recipe's inputs for the CPU rehearsal (tests/test_rehearsal.py, tests/test_tir_turns.py): rows in the
+"""The real recipe's inputs for the CPU rehearsal (tests/test_rehearsal.py, tests/test_convert_data.py): rows in the
 public sets' exact layouts, and the base model.
 
 - `dapo_rows`: DAPO-Math-17k's parquet layout (data_source, prompt as a list of one {content, role} message wrapping
@@ -72,7 +72,7 @@ def taught_conversations() -> list[list[dict]]:
     return out
 
 
-def base_model(folder: Path, steps: int = 300, system_prompt: str = "default") -> Path:
+def base_model(folder: Path, steps: int = 60, lr: float = 1e-2, system_prompt: str = "default") -> Path:
     """The rehearsal's base model (module docstring), saved in bf16 with Qwen3-Base's tokenizer in `folder`."""
     import qwen_vocab
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -82,17 +82,22 @@ def base_model(folder: Path, steps: int = 300, system_prompt: str = "default") -
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     chat = chat_format(system_prompt)
     examples = [build_labels(tok, chat.render_messages(m)) for m in taught_conversations()]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    width = max(len(ids) for ids, _ in examples)  # one right-padded batch: one embedding backward per step
+    ids = torch.full((len(examples), width), tok.pad_token_id)
+    labels = torch.full((len(examples), width), IGNORE)
+    for row, (i, lab) in enumerate(examples):
+        ids[row, :len(i)], labels[row, :len(lab)] = torch.tensor(i), torch.tensor(lab)
+    mask = (torch.arange(width) < torch.tensor([len(i) for i, _ in examples])[:, None]).long()
+    targets = labels[:, 1:]
+    keep = (targets != IGNORE).any(0).nonzero().squeeze(-1)  # logits only where a trained token is predicted
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         for _ in range(steps):
-            for ids, labels in examples:
-                # logits only where a trained token is predicted: the vocabulary is 151,936 wide
-                targets = torch.tensor(labels[1:])
-                keep = (targets != IGNORE).nonzero().squeeze(-1)
-                logits = model(input_ids=torch.tensor([ids]), logits_to_keep=keep).logits[0]
-                loss = torch.nn.functional.cross_entropy(logits.float(), targets[keep]) / len(examples)
-                loss.backward()
+            logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits  # (n, kept, V)
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets[:, keep].flatten(),
+                                                     ignore_index=IGNORE)
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad()
     model.to(torch.bfloat16).save_pretrained(folder)
