@@ -134,7 +134,7 @@ def test_converted_tir_tool_turns_are_what_a_rollout_appends_token_for_token(tmp
                 if message.get("tool_calls"):
                     code = message["tool_calls"][0]["function"]["arguments"]["code"]
                     traj = Trajectory("p", [0])
-                    append_tool_response(traj, ToolCall(code=code), tool.run(code), tok, 100_000)
+                    append_tool_response(traj, ToolCall(code=code), tool.run(code), tok, 100_000, fmt)
                     sft_turn = build_labels(tok, segments[k + 1:k + 2])[0]  # the segment after the call
                     same += traj.response_ids == sft_turn
                     total += 1

@@ -39,7 +39,7 @@ def controls_in(tok, ids) -> list[int]:
 def tool_turn_ids(tok, printed: str) -> list[int]:
     """What a rollout appends after a call whose program printed `printed`."""
     traj = Trajectory("p", [0])
-    append_tool_response(traj, ToolCall(code="print(x)"), ToolResult("ok", printed), tok, 10_000)
+    append_tool_response(traj, ToolCall(code="print(x)"), ToolResult("ok", printed), tok, 10_000, FMT)
     return traj.response_ids
 
 
