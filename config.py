@@ -204,6 +204,12 @@ def config_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def tracker_config(cfg) -> dict:
+    """The config as a tracker's hyperparameters: numbers, text and booleans as they are, anything else (None, lists)
+    as its text. TensorBoard's hparams refuse other types."""
+    return {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in config_dict(cfg).items()}
+
+
 def format_config(cfg) -> str:
     """The resolved config as YAML text (printed at start of a run)."""
     return yaml.safe_dump(config_dict(cfg), sort_keys=False, width=120)

@@ -16,12 +16,17 @@ Sources:
 - math: MATH's train split (Hendrycks et al. 2021, MIT licence): the release's folder of JSON files
   (train/<subject>/<n>.json), or a JSONL/parquet copy with `problem` and `solution`. The answer is the last
   \\boxed{...} of the solution.
-- tir: NuminaMath-TIR (Numina and Hugging Face 2024; hub `AI-MO/NuminaMath-TIR`, 72,441 train rows; its card has
-  given Apache-2.0 and CC BY-NC 4.0 at different times: check before commercial use), as SFT conversations in our
-  protocol: each ```python block followed by its ```output block becomes an assistant turn with a tool call and
-  the tool's reply; the text after the last one, then <answer>\\boxed{...}</answer> with the solution's last box,
-  ends it. Solutions whose code never prints are left out (our tool runs a script: a bare last expression prints
-  nothing, unlike the notebook that produced those outputs).
+- tir: NuminaMath-TIR (Numina and Hugging Face 2024; hub `AI-MO/NuminaMath-TIR`, 72,441 train rows of `problem`,
+  `solution`, `messages`; its card has given Apache-2.0 and CC BY-NC 4.0 at different times: check before commercial
+  use), as SFT conversations in our protocol: each ```python block followed by its ```output block becomes an
+  assistant turn with a tool call and the tool's reply; the text after the last one, then
+  <answer>\\boxed{...}</answer> with the solution's last box, ends it. Every call is run again through our code
+  tool (`CodeTool`, the settings of the --tool-* options, which should be the RL config's), and the reply is its
+  `ToolResult.render()`: the text a rollout shows for that code, token for token (`ok\\n4.0\\n`, where the dataset
+  recorded a notebook's bare `4.0`). Re-running rather than wrapping the recorded text: only the tool itself knows
+  what it shows for a call (its status line, its echo of a last expression, its tracebacks and output cut). A
+  solution is kept only when every call runs without error and prints what the dataset recorded (whitespace
+  aside), so the prose after each call still describes what the tool showed.
 Files: .parquet (needs `pip install pyarrow`), .jsonl, or a folder of .json files; `hub` downloads DAPO's parquet
 file with huggingface_hub (installed with transformers).
 
@@ -37,6 +42,7 @@ import re
 import sys
 from pathlib import Path
 
+from code_tool import CodeTool
 from data import load_conversations, load_problems, write_jsonl
 from protocol import TOOL_NAME
 
@@ -85,40 +91,55 @@ def math_row(row: dict) -> tuple[str, str | None, str]:
 TIR_CALL = re.compile(r"```python\n(.*?)```\s*```output\n(.*?)```", re.S)
 
 
-def tir_messages(problem: str, solution: str) -> list[dict] | None:
-    """Our SFT conversation for a NuminaMath-TIR solution (see the module docstring), or None when it has no code
-    block, code that never prints, or no boxed answer."""
-    answer, calls, messages, start = last_boxed(solution), [], [{"role": "user", "content": problem.strip()}], 0
+def tir_calls(solution: str) -> tuple[list[tuple[str, str, str]], str, str] | None:
+    """A NuminaMath-TIR solution cut into its calls, [(text before, code, recorded output)], the text after the last
+    call and the last boxed answer; None when it has no call or no box."""
+    calls, start = [], 0
     for match in TIR_CALL.finditer(solution):
         calls.append((solution[start:match.start()].strip(), match.group(1).strip(), match.group(2).strip()))
         start = match.end()
-    if not calls or answer is None or not all("print(" in code for _, code, _ in calls):
-        return None
-    for text, code, output in calls:
+    answer = last_boxed(solution)
+    return (calls, solution[start:].strip(), answer) if calls and answer is not None else None
+
+
+def tir_messages(problem: str, calls, final: str, answer: str, results) -> list[dict] | None:
+    """Our SFT conversation for a cut solution, each call answered by its ToolResult from our code tool (`results`,
+    in call order); None when a call failed or printed other than what the dataset recorded."""
+    messages = [{"role": "user", "content": problem.strip()}]
+    for (text, code, recorded), result in zip(calls, results):
+        if not result.ok or normalize(result.stdout) != normalize(recorded):
+            return None
         messages.append({"role": "assistant", "content": f"{text}</reason>\n",
                          "tool_calls": [{"function": {"name": TOOL_NAME, "arguments": {"code": code}}}]})
-        messages.append({"role": "tool", "content": output})
-    final = solution[start:].strip()
+        messages.append({"role": "tool", "content": result.render()})
     messages.append({"role": "assistant", "content": f"{final}</reason>\n<answer>\\boxed{{{answer}}}</answer>"})
     return messages
 
 
-def convert_tir(rows: list[dict], source: str, eval_problems: set[str]):
-    """SFT conversation rows from NuminaMath-TIR rows, and the count of each thing dropped."""
-    out, seen = [], set()
-    counts = {"rows": len(rows), "repeats": 0, "no_usable_code": 0, "in_eval_sets": 0}
+def convert_tir(rows: list[dict], source: str, eval_problems: set[str], tool: CodeTool):
+    """SFT conversation rows from NuminaMath-TIR rows, every call run through `tool`, and the count of each thing
+    dropped."""
+    plans, seen = [], set()
+    counts = {"rows": len(rows), "repeats": 0, "no_usable_code": 0, "tool_output_differs": 0, "in_eval_sets": 0}
     for index, row in enumerate(rows):
-        key = normalize(row["problem"])
-        messages = tir_messages(row["problem"], row["solution"])
+        key, cut = normalize(row["problem"]), tir_calls(row["solution"])
         if key in seen:
             counts["repeats"] += 1
         elif key in eval_problems:
             counts["in_eval_sets"] += 1
-        elif messages is None:
+        elif cut is None:
             counts["no_usable_code"] += 1
         else:
-            out.append({"messages": messages, "id": str(index), "source": f"{source}:{index}"})
+            plans.append((index, row["problem"], cut))
         seen.add(key)
+    results = iter(tool.run_batch([(code, "") for _, _, (calls, _, _) in plans for _, code, _ in calls]))
+    out = []
+    for index, problem, (calls, final, answer) in plans:
+        messages = tir_messages(problem, calls, final, answer, [next(results) for _ in calls])
+        if messages is None:
+            counts["tool_output_differs"] += 1
+        else:
+            out.append({"messages": messages, "id": str(index), "source": f"{source}:{index}"})
     return out, counts
 
 
@@ -179,6 +200,11 @@ def main(argv=None) -> None:
     parser.add_argument("--all-answers", action="store_true", help="keep non-integer answers too")
     parser.add_argument("--decontaminate", nargs="*", default=EVAL_SETS,
                         help="evaluation sets whose problems are dropped (default: the four in data/)")
+    tool = parser.add_argument_group("tir: the code tool that runs every call again (give the RL config's values)")
+    tool.add_argument("--tool-workers", type=int, default=None, help="calls at once (default: the free cores)")
+    tool.add_argument("--tool-timeout", type=float, default=4.0, help="seconds per call (the configs: 4.0)")
+    tool.add_argument("--tool-memory-mb", type=int, default=1024, help="memory per call (the Qwen3 configs: 1024)")
+    tool.add_argument("--tool-max-output-chars", type=int, default=1000, help="the reply's cut (the configs: 1000)")
     args = parser.parse_args(argv)
     path, source = args.input, Path(args.input).name
     if args.input == "hub":
@@ -195,7 +221,9 @@ def main(argv=None) -> None:
     try:
         rows = read_rows(path)
         if args.kind == "tir":
-            out, counts = convert_tir(rows, source, eval_problems)
+            with CodeTool(workers=args.tool_workers, timeout=args.tool_timeout, memory_mb=args.tool_memory_mb,
+                          max_output_chars=args.tool_max_output_chars) as tool:
+                out, counts = convert_tir(rows, source, eval_problems, tool)
         else:
             out, counts = convert(rows, args.kind, source, eval_problems, integer_only=not args.all_answers)
     except (ValueError, KeyError, TypeError) as e:

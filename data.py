@@ -9,8 +9,9 @@ Two kinds of file, one JSON object per line (blank lines are skipped):
   through `protocol.ChatFormat.render_messages` (the same rendering SFT trains on).
 
 A bad line raises ValueError("path:line: what is wrong") before the caller does any work: bad JSON, JSON nested too
-deeply for Python's parser, text that is not UTF-8 (a UTF-8 byte-order mark is accepted). Nothing here knows about
-models; `check_model_path` only looks at folders.
+deeply for Python's parser, text that is not UTF-8 (a UTF-8 byte-order mark is accepted). Models: `check_model_path`
+looks at folders before any work; `load_pretrained` turns whatever a transformers loader then fails with (the hub
+unreachable, no such repository, a file missing) into one line saying what was looked for and where.
 """
 import json
 import re
@@ -104,6 +105,11 @@ def write_jsonl(path, rows) -> Path:
     return path
 
 
+# What save_pretrained writes for the weights: one file, or an index of shards.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# What save_pretrained writes for a tokenizer (one of them suffices). Without any, transformers builds an empty
+# tokenizer from config.json's model type, and every text encodes to no tokens.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # org/name, as the Hugging Face Hub spells ids
 
 
@@ -116,6 +122,12 @@ def check_model_path(path: str) -> None:
         raise ValueError("model_path '' is not a model folder (give a folder with config.json or a hub id org/name)")
     p = Path(path)
     if p.is_dir() and (p / "config.json").is_file():
+        if not any((p / name).is_file() for name in WEIGHT_FILES):
+            raise ValueError(f"model_path {path!r} is not a whole model folder: config.json but no weights "
+                             f"(model.safetensors, pytorch_model.bin or a shard index) in {p.resolve()}")
+        if not any((p / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(f"model_path {path!r} is not a whole model folder: no tokenizer (tokenizer.json or "
+                             f"tokenizer_config.json) in {p.resolve()}")
         return
     if p.exists():
         raise ValueError(f"model_path {path!r} is not a model folder (no config.json there)")
@@ -130,3 +142,20 @@ def check_model_path(path: str) -> None:
         if not isinstance(try_to_load_from_cache(path, "config.json"), str):
             raise ValueError(f"model_path {path!r}: no such folder, and HF_HUB_OFFLINE is set and the hub id is not "
                              f"in the local cache")
+
+
+def load_pretrained(loader, path: str, **kwargs):
+    """`loader.from_pretrained(path, **kwargs)` for a transformers Auto class, where whatever the loader fails with
+    (no connection to the hub, no such repository, a file missing from a folder) is one ValueError line saying what
+    was looked for and where, with the loader's own first line."""
+    try:
+        return loader.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        said = (str(e).strip().splitlines() or [type(e).__name__])[0][:240]
+        if Path(path).is_dir():
+            where = f"the folder {Path(path).resolve()}"
+        else:
+            from huggingface_hub import constants
+            where = f"no folder {Path(path).resolve()}, then the hub repository {path!r} at {constants.ENDPOINT}"
+        raise ValueError(f"model_path {path!r}: {loader.__name__} could not load it (looked in {where}): {said}") \
+            from None

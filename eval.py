@@ -62,7 +62,7 @@ from pathlib import Path
 import cpu_threads
 from checkpoint import atomic_write_text, config_changes, filter_jsonl, read_jsonl_rows, run_identity
 from config import check_ranges, format_config, parse_cli, save_config
-from data import check_model_path, load_problems, write_jsonl
+from data import check_model_path, load_pretrained, load_problems, write_jsonl
 from protocol import DEFAULT_USER_INSTRUCTION, IM_END, TOOL_NAME, chat_format_of, parse_tool_call
 from report import write_report
 from reward import check_many, default_pool, extract_answer, is_equivalent
@@ -384,14 +384,18 @@ def load_model(cfg: EvalConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from hf_sampler import HFSampler
     from sampler import VLLMSampler
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    try:
+        tokenizer = load_pretrained(AutoTokenizer, cfg.model_path)
+        model = None if cfg.sampler == "vllm" else load_pretrained(AutoModelForCausalLM, cfg.model_path,
+                                                                   torch_dtype="auto")
+    except ValueError as e:
+        raise SystemExit(f"input error: {e}") from None
     if cfg.sampler == "vllm":
         return VLLMSampler(cfg.model_path, im_end_id=tokenizer.convert_tokens_to_ids(IM_END), seed=cfg.seed,
                            tensor_parallel_size=cfg.vllm_tensor_parallel_size, dtype=cfg.vllm_dtype,
                            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                            enforce_eager=cfg.vllm_enforce_eager,
                            enable_sleep_mode=False), tokenizer  # nothing trains here: no need to free the GPU
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype="auto")
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     return HFSampler(model, tokenizer, batch_size=cfg.batch_size), tokenizer
 

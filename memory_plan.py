@@ -11,8 +11,13 @@ term checked by hand. GB = 10^9 bytes. The estimate follows what train.py does:
   computing and the one prefetched);
 - activations with gradient checkpointing: each layer's input (bf16) for the whole micro-batch, plus one layer's
   recomputation and its gradients (an estimate: ~12 hidden-size and 4 MLP-size bf16 vectors per token, doubled);
-- logits: train.token_logprobs holds three fp32 (T, V) tensors at its peak (the fp32 copy of the logits, the copy
-  divided by the temperature, the log-softmax): 12 B per token and vocabulary entry;
+- logits: what the model's forward returns, (T, V), kept to the end of the backward: under FSDP2 the bf16 logits
+  of its bf16 parameters (MixedPrecisionPolicy), 2 B per token and vocabulary entry; without FSDP Accelerate's
+  autocast returns them converted to fp32, and the bf16 original and the fp32 copy are both alive while the copy is
+  made and again while the gradient is cast back: 6 B. train.token_logprobs keeps nothing else of that size:
+  logprobs.py computes the sampled tokens' log-probs a chunk of positions at a time and writes the gradient into the
+  logits themselves, plus two fp32 chunk temporaries (`logprob_chunk_bytes`, at most 134 MB whatever T);
+  bench/logprob_memory.py measures each case against the direct log-softmax (14 B under FSDP2);
 - the sampler: a colocated vLLM engine takes `gpu_memory_utilization` of the GPU during rollouts (its bf16 weights,
   ~2 GB of its own activations, the KV cache in what is left) and sleeps during the update (weights in CPU RAM, KV
   cache dropped at sleep level 2; the hand-off loads every weight again); `HFSampler` under FSDP holds its own
@@ -26,7 +31,8 @@ from pathlib import Path
 GB = 1e9
 MASTER_BYTES = 4            # fp32 master weights, gradients and AdamW moments (2 per parameter)
 COMPUTE_BYTES = 2           # bf16: gathered weights, activations, the sampler's copy, the KV cache
-LOGITS_BYTES = 12           # three fp32 (T, V) tensors at the peak of train.token_logprobs
+LOGITS_BYTES = {True: COMPUTE_BYTES, False: COMPUTE_BYTES + 4}  # by fsdp: bf16 logits, or + Accelerate's fp32 copy
+LOGPROB_CHUNK_ELEMENTS = 1 << 24  # logprobs.CHUNK_ELEMENTS: elements of one fp32 chunk temporary
 ENGINE_OVERHEAD_GB = 2.0    # vLLM's own activations and buffers inside its share (its profile run; an estimate)
 
 # The architecture fields of public checkpoints, as their config.json on the Hugging Face hub gives them
@@ -110,7 +116,7 @@ def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, se
         # FSDP: the gathered bf16 groups in use; without FSDP, autocast's bf16 copy of every weight
         "gathered": COMPUTE_BYTES * ((shape.embedding_params + 2 * shape.layer_params) if fsdp else p) / GB,
         "activations": activation_bytes(shape, tokens, gradient_checkpointing) / GB,
-        "logits": LOGITS_BYTES * tokens * shape.vocab / GB,
+        "logits": (LOGITS_BYTES[fsdp] * tokens * shape.vocab + logprob_chunk_bytes(tokens, shape.vocab)) / GB,
     }
     if sampler == "vllm":
         m["sampler_weights"] = COMPUTE_BYTES * p / engine_tp / GB
@@ -129,6 +135,12 @@ def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, se
     m["update_peak"] = (m["weights"] + m["grads"] + m["adamw"] + m["gathered"] + m["activations"] + m["logits"]
                         + asleep)
     return m
+
+
+def logprob_chunk_bytes(tokens: int, vocab: int) -> int:
+    """logprobs.py's two fp32 temporaries (the scaled logits and their log-softmax) of one chunk of positions."""
+    rows = max(1, LOGPROB_CHUNK_ELEMENTS // vocab)
+    return 2 * 4 * min(tokens, rows) * vocab
 
 
 def activation_bytes(shape: Shape, tokens: int, gradient_checkpointing: bool) -> float:

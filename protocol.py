@@ -40,6 +40,15 @@ the turns as rstar2_agent/rollout/rstar2_agent_loop.py joins them): add it to an
 evaluate the released checkpoints or train on data in that format. Not reproduced: the public executor's own error
 messages (its traceback text comes from another executor) and its parse-error texts.
 
+Tokens (`encode`, used by rollout.py for prompts and tool turns, and by sft.py for every segment): the markup above
+is read with the tokenizer's control tokens (`<|im_start|>`, `<|im_end|>`, and Qwen3's `<tool_call>` and
+`<tool_response>`, which are single tokens there); text from outside the protocol (`Plain`: problems, tool output,
+a dataset's prose, the code inside a call) is encoded as ordinary text, so a program that prints `<|im_end|>` or
+`</tool_response>` cannot end a turn or forge a tool result in the model's context. Renderers return `Rendered`
+strings that remember which of their parts are Plain. In SFT targets the tags the policy writes itself (POLICY_TAGS)
+are markup: their control token is what the policy samples in RL, and a sampled turn is only ever decoded, never
+re-tokenized, so both decode to the same text for `parse_tool_call`.
+
 What this module leaves out: more than one tool, parallel calls within one turn (the report executes one call per
 turn), and any model-specific chat template (we never call `tokenizer.apply_chat_template`; the markup is here).
 """
@@ -131,6 +140,84 @@ USER_TEMPLATES = {
 }
 
 
+# Tags the policy writes in its own turns. In SFT targets they are markup (their control token, where the tokenizer
+# has one); the rest of an assistant turn is Plain.
+POLICY_TAGS = ("<reason>", "</reason>", "<answer>", "</answer>", "<tool_call>", "</tool_call>")
+
+
+# ============================================================================ text and tokens
+class Plain(str):
+    """Text from outside the protocol: a problem, a tool's output, a dataset's prose, the code of a call. `encode`
+    reads no control token in it: a `<|im_end|>` printed by a program stays ten characters of text."""
+
+
+class Rendered(str):
+    """Protocol text: the string itself (print it, compare it, decode to it) and `parts`, the markup strings and
+    Plain pieces it was joined from, which `encode` reads. Made by `render`."""
+    parts: tuple = ()
+
+
+def render(*parts: str) -> Rendered:
+    """Join markup strings, Plain text and other Rendered text (whose parts are kept) into one Rendered."""
+    flat = tuple(p for part in parts for p in (part.parts if isinstance(part, Rendered) else (part,)) if p)
+    out = Rendered("".join(flat))
+    out.parts = flat
+    return out
+
+
+_TAG = re.compile(r"<[^<>\s]+>")
+
+
+def control_tokens(tokenizer) -> dict[str, int]:
+    """A tokenizer's control tokens, {text: id}: its special tokens and each added token written as a tag (`<...>`):
+    ChatML's `<|im_start|>` / `<|im_end|>`, Qwen3's `<tool_call>`, `<tool_response>`, `<think>` and fill-in-the-middle
+    markers (added but not special there), the tiny tokenizer's markers. Other added tokens (the tiny tokenizer's
+    multi-character phrases, its one-token tool name) are pieces of ordinary text."""
+    special = set(tokenizer.all_special_tokens)
+    return {t: i for t, i in tokenizer.get_added_vocab().items() if t in special or _TAG.fullmatch(t)}
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of protocol text, no BOS or EOS added. Control tokens are read only in the markup: Plain text, and
+    the Plain parts of a Rendered string, are encoded as ordinary text whatever they contain; any other str counts as
+    markup. Where no Plain part holds a control string, the ids are exactly `tokenizer.encode(text)`'s (the text
+    between two control tokens is encoded whole, across the seams of its parts)."""
+    controls = control_tokens(tokenizer)
+    split = re.compile("(" + "|".join(map(re.escape, sorted(controls, key=len, reverse=True))) + ")")
+    parts = text.parts if isinstance(text, Rendered) else (text,)
+    ids, run = [], ""  # run: the ordinary text since the last control token of the markup
+    for part in parts:
+        for i, piece in enumerate(split.split(part)):
+            if i % 2 and not isinstance(part, Plain):
+                ids += _ordinary_ids(tokenizer, run, split)
+                ids.append(controls[piece])
+                run = ""
+            else:
+                run += piece
+    return ids + _ordinary_ids(tokenizer, run, split)
+
+
+def _ordinary_ids(tokenizer, text: str, split: re.Pattern) -> list[int]:
+    """Ordinary text: `tokenizer.encode` between control strings; each control string in it (it came from Plain
+    text) goes through the tokenizer's normalizer, pre-tokenizer and model alone, which know no added tokens."""
+    ids = []
+    for i, piece in enumerate(split.split(text)):
+        if i % 2:
+            backend = tokenizer.backend_tokenizer
+            piece = backend.normalizer.normalize_str(piece) if backend.normalizer else piece
+            words = backend.pre_tokenizer.pre_tokenize_str(piece) if backend.pre_tokenizer else [(piece, None)]
+            ids += [t.id for word, _ in words for t in backend.model.tokenize(word)]
+        elif piece:
+            ids += tokenizer.encode(piece, add_special_tokens=False)
+    return ids
+
+
+def policy_text(text: str) -> Rendered:
+    """An assistant turn's text as SFT trains on it: POLICY_TAGS as markup, everything else Plain."""
+    pieces = re.split("(" + "|".join(map(re.escape, POLICY_TAGS)) + ")", text)
+    return render(*(piece if i % 2 else Plain(piece) for i, piece in enumerate(pieces)))
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """What the first `<tool_call>` of a turn asked for. `error` is set when the call cannot be executed."""
@@ -139,11 +226,12 @@ class ToolCall:
     error: str | None = None
 
 
-def format_tool_call(code: str, stdin: str = "", tool_name: str = TOOL_NAME) -> str:
+def format_tool_call(code: str, stdin: str = "", tool_name: str = TOOL_NAME) -> Rendered:
     """The text a policy writes to call the tool (used to render SFT data; the parser reads it back). The same
-    characters as the public chat template writes for a tool call: {"name": ..., "arguments": tojson(arguments)}."""
+    characters as the public chat template writes for a tool call: {"name": ..., "arguments": tojson(arguments)}.
+    The JSON, code included, is Plain; the tags are markup."""
     call = {"name": tool_name, "arguments": {"code": code, "input": stdin}}
-    return "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
+    return render("<tool_call>\n", Plain(json.dumps(call, ensure_ascii=False)), "\n</tool_call>")
 
 
 def parse_tool_call(turn: str, tool_name: str = TOOL_NAME) -> ToolCall | None:
@@ -183,12 +271,12 @@ def parse_tool_call(turn: str, tool_name: str = TOOL_NAME) -> ToolCall | None:
     return ToolCall(code=args["code"], stdin=stdin)
 
 
-def tool_response_turn(text: str, newline: bool = True) -> str:
+def tool_response_turn(text: str, newline: bool = True) -> Rendered:
     """Environment text appended after a turn that called the tool (loss mask 0): closes the assistant line (the
-    "\n" after its <|im_end|>, unless newline=False), adds the tool result as a user turn, and re-opens the
+    "\n" after its <|im_end|>, unless newline=False), adds the tool result (Plain) as a user turn, and re-opens the
     assistant turn with the generation prefix."""
-    return ("\n" if newline else "") + f"{IM_START}user\n<tool_response>\n{text}\n</tool_response>{IM_END}\n" \
-        + GENERATION_PREFIX
+    return render(("\n" if newline else "") + f"{IM_START}user\n<tool_response>\n", Plain(text),
+                  f"\n</tool_response>{IM_END}\n", GENERATION_PREFIX)
 
 
 GENERATION_PREFIX = f"{IM_START}assistant\n<reason>"
@@ -211,18 +299,20 @@ class ChatFormat:
     tool_result_format: str = "default"  # a key of code_tool.RESULT_FORMATS
     newline_after_turn: bool = True
 
-    def prompt(self, problem: str) -> str:
-        """System turn, user turn and the generation prefix: where the policy starts writing."""
-        return self._head(self.system_prompt, problem) + GENERATION_PREFIX
+    def prompt(self, problem: str) -> Rendered:
+        """System turn, user turn and the generation prefix: where the policy starts writing. The problem is Plain;
+        the system prompt, the template and the instruction are the protocol's own text (markup)."""
+        return render(self._head(self.system_prompt, problem), GENERATION_PREFIX)
 
-    def user_text(self, problem: str) -> str:
-        """The user turn's content: the template with the problem and the instruction in their slots (an empty
-        instruction takes its joining newline with it), in one pass, so neither text is read as a slot."""
+    def user_text(self, problem: str) -> Rendered:
+        """The user turn's content: the template with the problem (Plain) and the instruction in their slots (an
+        empty instruction takes its joining newline with it), in one pass, so neither text is read as a slot."""
         template = self.user_template
         if not self.user_instruction:
             template = re.sub(r"\n\{instruction\}|\{instruction\}\n?", "", template, count=1)
-        return re.sub(r"\{(problem|instruction)\}",
-                      lambda m: problem if m[1] == "problem" else self.user_instruction, template)
+        pieces = re.split(r"\{(problem|instruction)\}", template)  # text, slot name, text, ...
+        return render(*(piece if i % 2 == 0 else Plain(problem) if piece == "problem" else self.user_instruction
+                        for i, piece in enumerate(pieces)))
 
     def parse_tool_call(self, turn: str) -> ToolCall | None:
         return parse_tool_call(turn, self.tool_name)
@@ -230,12 +320,13 @@ class ChatFormat:
     def tool_response_turn(self, text: str) -> str:
         return tool_response_turn(text, self.newline_after_turn)
 
-    def _head(self, system: str, problem: str) -> str:
-        return f"{IM_START}system\n{system}{IM_END}\n{IM_START}user\n{self.user_text(problem)}{IM_END}\n"
+    def _head(self, system: str, problem: str) -> Rendered:
+        return render(f"{IM_START}system\n", system, f"{IM_END}\n{IM_START}user\n", self.user_text(problem),
+                      f"{IM_END}\n")
 
-    def render_messages(self, messages: list[dict]) -> list[tuple[str, bool]]:
+    def render_messages(self, messages: list[dict]) -> list[tuple[Rendered, bool]]:
         """A whole conversation as (text, trainable) segments whose concatenation is exactly what a rollout of the
-        same conversation produces. `trainable` is True only on text the policy writes (assistant content, its
+        same conversation produces, token for token through `encode`. `trainable` is True only on text the policy writes (assistant content, its
         tool call and its `<|im_end|>`); everything else is False.
 
         messages: the common chat format: [{"role": "system"?, ...}, {"role": "user", "content": problem},
@@ -249,14 +340,15 @@ class ChatFormat:
         offset = len(messages) - len(msgs)
         if not msgs or msgs[0].get("role") != "user":
             raise ValueError(f"message {offset}: expected a user message with the problem")
-        segments = [(self._head(system, _text(msgs[0], offset)) + GENERATION_PREFIX, False)]
+        segments = [(render(self._head(system, _text(msgs[0], offset)), GENERATION_PREFIX), False)]
         expect = "assistant"
         for i, msg in enumerate(msgs[1:], start=offset + 1):
             role = msg.get("role")
             if role != expect:
                 raise ValueError(f"message {i}: expected role {expect!r}, got {role!r}")
             if role == "assistant":
-                segments.append((_text(msg, i) + _assistant_call(msg, i, self.tool_name) + IM_END, True))
+                segments.append((render(policy_text(_text(msg, i)), _assistant_call(msg, i, self.tool_name), IM_END),
+                                 True))
                 expect = "tool" if msg.get("tool_calls") else "end"
             else:
                 segments.append((self.tool_response_turn(_text(msg, i)), False))
@@ -264,7 +356,7 @@ class ChatFormat:
         if expect != "end":
             raise ValueError(f"message {len(messages) - 1}: a conversation must end with an assistant answer")
         if self.newline_after_turn:
-            segments.append(("\n", False))
+            segments.append((render("\n"), False))
         return segments
 
 
@@ -308,10 +400,10 @@ def _text(msg: dict, index: int) -> str:
     return content
 
 
-def _assistant_call(msg: dict, index: int, tool_name: str = TOOL_NAME) -> str:
+def _assistant_call(msg: dict, index: int, tool_name: str = TOOL_NAME) -> Rendered:
     calls = msg.get("tool_calls") or []
     if not calls:
-        return ""
+        return render()
     if len(calls) != 1:
         raise ValueError(f"message {index}: one tool call per turn (got {len(calls)})")
     fn = calls[0].get("function", calls[0])

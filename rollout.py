@@ -10,7 +10,8 @@ Implements the report's multi-turn rollout (§2; the protocol lives in `protocol
              tool_response_turn(text) = "\\n<|im_start|>user\\n<tool_response>..." + "<|im_start|>assistant\\n<reason>"
                                                                                     (loss mask 0)
 - Token in, token out: sampled ids are kept exactly as sampled; each environment text is tokenized on its own
-  (`tokenizer.encode(text, add_special_tokens=False)`) and appended. The history is never decoded and re-tokenized.
+  (`protocol.encode`: its markup with the control tokens, the tool's output and the problem as ordinary text, so a
+  program cannot print an end of turn) and appended. The history is never decoded and re-tokenized.
 - One budget, `max_response_tokens`, covers everything after the prompt (sampled turns and tool text). A turn that
   runs out of budget ends the rollout with "length". A tool response that would overflow the budget is NOT
   appended (neither whole nor in part) and the rollout ends with "length"; that call still counts as made.
@@ -34,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from tqdm import tqdm
 
 from code_tool import RESULT_FORMATS
-from protocol import ChatFormat, ToolCall, count_answer_blocks
+from protocol import ChatFormat, ToolCall, count_answer_blocks, encode
 
 END_REASONS = ("answer", "max_turns", "length")
 PARSE_ERROR = "parse_error"  # ToolCallRecord.status of a call that could not be parsed, so it never ran
@@ -138,7 +139,7 @@ def append_tool_response(traj: Trajectory, call: ToolCall, result, tokenizer, ma
     else:
         text, status = RESULT_FORMATS[fmt.tool_result_format](result), result.status
     traj.tool_calls.append(ToolCallRecord(call.code, call.stdin, text, status))
-    ids = tokenizer.encode(fmt.tool_response_turn(text), add_special_tokens=False)
+    ids = encode(tokenizer, fmt.tool_response_turn(text))
     if len(traj.response_ids) + len(ids) > max_response_tokens:
         traj.end_reason = "length"  # it does not fit: nothing of it is appended
         return
@@ -161,7 +162,7 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
             progress: bool = False) -> list[Trajectory]:
     """Play out every problem (N = len(problems); repeat a problem 2G times for a group) and return N Trajectories
     in the same order. sampler: see sampler.py (`add`, `step`, `has_work`); tool: a CodeTool (only `submit`)."""
-    trajs = [Trajectory(p, tokenizer.encode(fmt.prompt(p), add_special_tokens=False)) for p in problems]
+    trajs = [Trajectory(p, encode(tokenizer, fmt.prompt(p))) for p in problems]
     for i, traj in enumerate(trajs):
         sampler.add(i, traj.prompt_ids, max_response_tokens, temperature, top_p)
     running = len(trajs)  # rollouts not yet ended

@@ -72,7 +72,7 @@ class Sampler(Protocol):
 
     def score(self, token_ids: list[int]) -> list[float]: ...  # (T-1) log-probs, temperature 1
 
-    dtype: torch.dtype  # what the sampler computes in: picks the hand-off check's tolerance
+    dtype: torch.dtype  # what the sampler computes in: with the trainer's, picks the hand-off check's tolerance
 
 
 def generate_all(sampler, prompts, max_new_tokens, temperature=1.0, top_p=1.0) -> list[Completion]:
@@ -119,12 +119,19 @@ def stop_token_ids(tokenizer, model_eos=None) -> list[int]:
 
 # ============================================================================ the weight hand-off check
 # Largest mean |log-prob gap| between a sampler and the trainer that still counts as "the same weights", by the
-# dtype the sampler computes in. fp32: only the summation order of the kernels differs. 16-bit engines round
+# dtype a side computes in (`handoff_tolerance` takes the coarser side's). fp32: only the summation order differs. 16-bit engines round
 # weights and activations, so they sit further from an fp32 trainer (bf16 keeps 8 mantissa bits, fp16 11).
 # Measured with vLLM's CPU build on the tiny SFT model, 111-121 tokens, against an fp32 transformers forward pass:
 # mean gap fp32 8.5e-7, fp16 1.6e-3, bf16 1.4e-2 (largest single token 5.7e-6, 9.1e-3, 9.4e-2). Deeper models
 # accumulate more rounding: the 16-bit values leave 7-19x room.
 HANDOFF_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 1e-1}
+
+
+def handoff_tolerance(sampler_dtype: torch.dtype, trainer_dtype: torch.dtype) -> float:
+    """The hand-off check's tolerance: that of the coarser of the two compute dtypes. The sampler's is its weights'
+    (a bf16 engine); the trainer's is bf16 under mixed_precision=bf16 (autocast, FSDP2's bf16 parameters), whatever
+    its fp32 master weights. A stale sampler is still caught at any tolerance: `check_handoff`'s second rule."""
+    return max(HANDOFF_TOLERANCE[sampler_dtype], HANDOFF_TOLERANCE[trainer_dtype])
 HANDOFF_PROBE_TOKENS = 256  # the check's fixed sequence: the first training prompt, cut to this many tokens
 
 
@@ -147,7 +154,7 @@ def check_handoff(engine, trainer, tolerance: float, previous=None) -> str | Non
 
     engine, trainer: (T-1,) log-probs of tokens 1..T-1, from `sampler.score` and from the trainer's own forward pass
     (`sequence_logprobs`). previous: the (engine, trainer) pair of the last check, or None.
-    1. gap = mean_t |engine_t - trainer_t| <= tolerance (HANDOFF_TOLERANCE of the sampler's dtype);
+    1. gap = mean_t |engine_t - trainer_t| <= tolerance (`handoff_tolerance` of the two sides' dtypes);
     2. if the trainer's log-probs moved since the last check, the sampler's moved too. A sampler that skipped the
        update returns the same numbers, bit for bit, even where one step moves them by less than the tolerance
        (lr 1e-6 seen through a bf16 engine). This would misfire only for an update that changes no weight at all

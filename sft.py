@@ -18,6 +18,11 @@ few trained tokens weighs each of them more than a long one does (the usual HF T
 (`grpo_roc.policy_loss`) normalises by the token count of the whole step instead; for SFT on conversations of
 similar size the difference is small, and the per-micro-batch mean needs no count up front.
 
+Precision: the weights are loaded as fp32 master weights whatever the checkpoint's dtype (Qwen3-Base ships bf16,
+where AdamW's steps at lr 5e-6 round away for most weights: one step moved 7.8% of them), in every launch mode;
+`mixed_precision: bf16` computes in bf16; model/ is saved in the checkpoint's own dtype (checkpoint.save_model).
+`gradient_checkpointing: true` recomputes each layer in the backward instead of keeping its activations.
+
 Global batch (sequences per optimizer step) = micro_batch_size * grad_accum * world_size; grad_accum is derived
 from batch_size and it is an error if it does not divide. Data-parallel: each rank reads its share through the
 prepared DataLoader. Left out: sequence packing, evaluation during training.
@@ -35,7 +40,8 @@ A NaN or infinite loss stops the run before the weights change; model/ is writte
 Run:  python sft.py configs/tiny/sft.yaml [key=value ...]
       accelerate launch --num_processes 8 sft.py my_sft.yaml      (data-parallel)
 Outputs in out_dir: config.yaml (resolved), metrics.jsonl (one line per logged step), checkpoint-*/ and `latest`
-(while it runs; the last `keep_checkpoints` are kept), model/ (model + tokenizer, at the end).
+(while it runs, with the fp32 masters; the last `keep_checkpoints` are kept), model/ (model in the input's dtype +
+tokenizer, at the end).
 """
 import functools
 import json
@@ -52,11 +58,11 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from checkpoint import (begin_run, latest_checkpoint, load_checkpoint, replace_dir, resume_point, run_identity,
-                        save_checkpoint, staging_dir)
-from config import check_ranges, config_dict, format_config, parse_cli, save_config
-from data import check_model_path, load_conversations
-from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of
+from checkpoint import (begin_run, input_dtype, latest_checkpoint, load_checkpoint, resume_point, run_identity,
+                        save_checkpoint, save_model)
+from config import check_ranges, format_config, parse_cli, save_config, tracker_config
+from data import check_model_path, load_conversations, load_pretrained
+from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of, encode
 
 IGNORE = -100  # label of a token that is not trained (PyTorch cross_entropy's ignore_index)
 
@@ -92,7 +98,8 @@ class SFTConfig:
     tool_required: list[str] = field(default_factory=lambda: ["code"])  # the arguments its schema marks required
     tool_result_format: str = "default"  # the chat format's (train.py, eval.py); SFT data holds its results as text
     newline_after_turn: bool = True  # "\n" after an assistant turn's <|im_end|> (the public agent loop writes none)
-    mixed_precision: str = "no"  # "no" or "bf16" (Accelerate autocast)
+    mixed_precision: str = "no"  # "no" or "bf16" (Accelerate autocast; the weights stay fp32 masters)
+    gradient_checkpointing: bool = False  # recompute each layer in the backward: activations of one layer, not all
     log_every: int = 10  # optimizer steps between log lines
     report_to: str | None = None  # None, "tensorboard" or "wandb"
     max_steps: int | None = None  # stop after this many optimizer steps (tests, smoke runs)
@@ -123,11 +130,12 @@ RANGES = {
 # ----------------------------------------------------------------------------------- data (pure)
 def build_labels(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
     """Token ids of a rendered conversation and its labels: each (text, trainable) segment is tokenized on its own
-    (no special tokens added) and concatenated; labels equal the ids on trainable segments (assistant content, tool
-    call, <|im_end|>) and are IGNORE (-100) on all others (system, user, tool responses, inserted headers)."""
+    by `protocol.encode` (as a rollout tokenizes what it appends: markup with control tokens, data as ordinary text)
+    and concatenated; labels equal the ids on trainable segments (assistant content, tool call, <|im_end|>) and are
+    IGNORE (-100) on all others (system, user, tool responses, inserted headers)."""
     ids, labels = [], []
     for text, trainable in segments:
-        seg = tokenizer.encode(text, add_special_tokens=False)
+        seg = encode(tokenizer, text)
         ids += seg
         labels += seg if trainable else [IGNORE] * len(seg)
     return ids, labels
@@ -258,7 +266,7 @@ def make_accelerator(cfg: SFTConfig) -> tuple[Accelerator, int]:
     acc = Accelerator(cpu=cpu, gradient_accumulation_steps=grad_accum, mixed_precision=cfg.mixed_precision,
                       log_with=cfg.report_to if cfg.report_to else None, project_dir=cfg.out_dir)
     if cfg.report_to:
-        acc.init_trackers("sft", config=config_dict(cfg))
+        acc.init_trackers("sft", config=tracker_config(cfg))
     return acc, grad_accum
 
 
@@ -271,21 +279,6 @@ def log_step(acc: Accelerator, metrics_path: Path, row: dict, bar) -> None:
                   f"lr {row['sft/lr']:.2e} | {row['perf/tokens_per_s']:,.0f} tok/s")
     if acc.log_with:
         acc.log(row, step=row["step"])
-
-
-def save_model(acc: Accelerator, model, tokenizer, out: Path) -> None:
-    """save_pretrained of the unwrapped model and the tokenizer, once, after every rank has finished; written into
-    `out.tmp` and renamed, so `out` is whole or absent."""
-    acc.wait_for_everyone()
-    tmp = staging_dir(out) if acc.is_main_process else out.with_name(out.name + ".tmp")
-    acc.wait_for_everyone()
-    state = acc.get_state_dict(model)  # under FSDP: the whole weights, gathered to the main process (all ranks join)
-    acc.unwrap_model(model).save_pretrained(tmp, is_main_process=acc.is_main_process, save_function=acc.save,
-                                            state_dict=state)
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, out)
 
 
 def stop_unless_finite(acc: Accelerator, losses: list, grad_norm, step: int, out: Path) -> None:
@@ -330,6 +323,11 @@ def train(cfg: SFTConfig) -> Path:
     """Run SFT as configured (continuing from a checkpoint where there is one); returns the saved model's folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     chat, conversations = check_inputs(cfg)
+    try:  # before out_dir is touched
+        tokenizer = load_pretrained(AutoTokenizer, cfg.model_path)
+        saved_dtype = input_dtype(cfg.model_path)
+    except ValueError as e:
+        raise SystemExit(f"sft: {e}") from None
     out = Path(cfg.out_dir)
     identity = run_identity(cfg, [cfg.data])
     checkpoint = resume_point(cfg, out, identity, RESUME_FREE)
@@ -342,8 +340,14 @@ def train(cfg: SFTConfig) -> Path:
         begin_run(out, checkpoint)
         save_config(cfg, out / "config.yaml")
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_path)
+    # fp32 master weights whatever the checkpoint's dtype: AdamW's steps at lr 5e-6 are below bf16's resolution for
+    # most weights (they would round away); mixed_precision=bf16 computes in bf16. model/ is saved in `saved_dtype`.
+    try:
+        model = load_pretrained(AutoModelForCausalLM, cfg.model_path, torch_dtype=torch.float32)
+    except ValueError as e:
+        raise SystemExit(f"sft: {e}") from None
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
     examples, skipped = build_examples(tokenizer, conversations, chat, cfg.max_seq_len)
     acc.print(f"sft: {len(examples)} conversations, {skipped} skipped (longer than max_seq_len={cfg.max_seq_len})")
     if not examples:
@@ -435,7 +439,7 @@ def train(cfg: SFTConfig) -> Path:
             if step >= total_steps:
                 break
     bar.close()
-    save_model(acc, model, tokenizer, out / "model")
+    save_model(acc, model, tokenizer, out / "model", saved_dtype)
     acc.print(f"sft: saved {out / 'model'}")
     acc.end_training()
     return out / "model"

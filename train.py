@@ -17,6 +17,8 @@ Each step, in labelled phases (the banners in `train_step`):
 A stage is one invocation; the multi-stage recipe is a sequence of them (configs/*/stage{1,2,3}.yaml), each starting
 from the previous stage's `model/`. Stage 3's data is the problems the stage-2 policy did not solve k of k times
 (`eval.py ... unsolved_out=...`), and it starts with a fresh optimizer; stage 2 may carry stage 1's (`optimizer_from`).
+The policy trains as fp32 master weights (checkpoints keep them); `model/` is written in the dtype the stage read
+(bf16 from a Qwen3-Base lineage), so each stage hands the next what a hub checkpoint would be.
 
 Exact token normalisation across micro-batches and ranks: each micro-batch's loss is its masked token sum divided by
 the token count of the whole mini-batch over all ranks, times the world size (DDP/FSDP average gradients over
@@ -41,21 +43,22 @@ import cpu_threads  # noqa: F401  (first: it sets OpenMP's wait policy, which is
 import torch
 from tqdm import tqdm
 
-from checkpoint import (begin_run, latest_checkpoint, load_checkpoint, replace_dir, resume_point, run_identity,
-                        save_checkpoint, staging_dir)
+from checkpoint import (begin_run, input_dtype, latest_checkpoint, load_checkpoint, resume_point, run_identity,
+                        save_checkpoint, save_model)
 from code_tool import ERROR_FORMATS, CodeTool, SandboxError, announce, choose_sandbox
-from config import check_ranges, format_config, parse_cli, save_config
-from data import check_model_path, load_problems
+from config import check_ranges, format_config, parse_cli, save_config, tracker_config
+from data import check_model_path, load_pretrained, load_problems
 from hf_sampler import HFSampler
+from logprobs import sampled_logprobs
 from memory_plan import engine_lines, memory_lines
 from plots import plot_curves
 from grpo_roc import (drop_equal_groups, group_advantages, mismatch_sums, penalty_total, policy_loss,
                       resample_on_correct, sequence_log_ratios, sequence_mask_weights, sequence_mean_policy_loss,
                       sequence_mismatch, truncated_is_weights)
-from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of
+from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of, encode
 from reward import check_many, default_pool, extract_answer
 from rollout import rollout, rollout_sums
-from sampler import HANDOFF_PROBE_TOKENS, HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs
+from sampler import HANDOFF_PROBE_TOKENS, VLLMSampler, check_handoff, handoff_tolerance, sequence_logprobs
 
 USAGE = """One RL stage with GRPO-RoC.
   python train.py [CONFIG.yaml ...] [key=value ...]
@@ -215,7 +218,7 @@ def validate(cfg: TrainConfig, world: int) -> None:
 def check_inputs(cfg: TrainConfig, tokenizer, fmt, problems: list[dict]) -> None:
     """Input errors that need the tokenizer: a prompt longer than max_prompt_tokens names its file and line."""
     for p in problems:
-        n = len(tokenizer.encode(fmt.prompt(p["problem"]), add_special_tokens=False))
+        n = len(encode(tokenizer, fmt.prompt(p["problem"])))
         if n > cfg.max_prompt_tokens:
             raise SystemExit(f"input error: {p.where}: prompt is {n} tokens, over max_prompt_tokens="
                              f"{cfg.max_prompt_tokens}")
@@ -275,11 +278,15 @@ def sampler_logprobs(trajs, width: int) -> torch.Tensor | None:
 
 
 def token_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
-    """log pi(x_t | x_<t) of every next token: (n, L-1). Logits are divided by the sampling temperature so the
-    numbers are those of the distribution the rollouts were drawn from (verl does the same)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    return logp.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    """log pi(x_t | x_<t) of every next token: (n, L-1), fp32. Logits are divided by the sampling temperature so the
+    numbers are those of the distribution the rollouts were drawn from (verl does the same). Computed in chunks of
+    positions (logprobs.py): no fp32 log-softmax over the vocabulary is kept, only the logits."""
+    ids = batch["input_ids"]
+    logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits  # (n, L, V)
+    # position t predicts token t+1; the last position's target (the first token, rolled over) is cut off below
+    targets = torch.roll(ids, -1, dims=1)
+    logp = sampled_logprobs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), temperature)
+    return logp.view(ids.shape)[:, :-1]
 
 
 # Loss aggregation for ablations: one string picks the function, at this one call site.
@@ -352,17 +359,11 @@ def sampler_policy(cfg, accelerator, model):
     # Built from the config, not loaded: under FSDP's low-memory loading only rank 0 reads the checkpoint.
     config = AutoConfig.from_pretrained(cfg.model_path)
     with torch.device(accelerator.device):
-        copy = AutoModelForCausalLM.from_config(config, torch_dtype=checkpoint_dtype(config))
+        copy = AutoModelForCausalLM.from_config(config, torch_dtype=input_dtype(cfg.model_path))
     copy.generation_config = GenerationConfig.from_model_config(config)
     if (Path(cfg.model_path) / "generation_config.json").is_file():
         copy.generation_config = GenerationConfig.from_pretrained(cfg.model_path)
     return copy
-
-
-def checkpoint_dtype(config) -> torch.dtype:
-    """The dtype a checkpoint was saved in (config.json's `dtype`, `torch_dtype` before transformers 5)."""
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def hand_off(accelerator, model, sampler) -> None:
@@ -569,13 +570,21 @@ def held_out_eval(cfg: TrainConfig, run) -> dict:
             "eval/tool_calls_mean": stats["tool_calls_mean"], "eval/truncated_frac": stats["truncated_frac"]}
 
 
+def trainer_compute_dtype(accelerator, model) -> torch.dtype:
+    """What the trainer's forward computes in: bf16 under mixed_precision=bf16 (fp16 alike), else its weights' dtype."""
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    return amp.get(accelerator.mixed_precision, next(model.parameters()).dtype)
+
+
 def verify_handoff(run, when: str, previous=None) -> tuple:
     """Phase 9's check: the sampler's log-probs of the probe sequence against the trainer's own forward pass
     (sampler.check_handoff); a sampler left with other weights stops the run with one line. Returns this check's
     (sampler, trainer) log-probs, the `previous` of the next check."""
+    # the trainer's side through Accelerate's forward (autocast under mixed precision): as the update computes
     pair = (torch.tensor(run.sampler.score(run.probe)),
             sequence_logprobs(run.accelerator.unwrap_model(run.model), run.probe))
-    problem = check_handoff(*pair, HANDOFF_TOLERANCE[run.sampler.dtype], previous)
+    tolerance = handoff_tolerance(run.sampler.dtype, trainer_compute_dtype(run.accelerator, run.model))
+    problem = check_handoff(*pair, tolerance, previous)
     if problem:
         raise SystemExit(f"hand-off error {when}: {problem}")
     return pair
@@ -667,9 +676,9 @@ def setup(cfg: TrainConfig):
         eval_problems = eval_problems[:cfg.eval_limit]
     try:
         check_model_path(cfg.model_path)
+        tokenizer = load_pretrained(AutoTokenizer, cfg.model_path)
     except ValueError as e:
         raise SystemExit(f"input error: {e}") from None
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     fmt = chat_format_of(cfg)
     check_inputs(cfg, tokenizer, fmt, problems + eval_problems)
     identity = run_identity(cfg, cfg.data + ([cfg.eval_data] if cfg.eval_data else []))
@@ -684,11 +693,14 @@ def setup(cfg: TrainConfig):
         save_config(cfg, out / "config.yaml")
         (out / "sandbox.txt").write_text(announce(sandbox) + "\n")
         if cfg.report_to:
-            acc.init_trackers("rstar2", config={k: str(v) for k, v in vars(cfg).items()})
+            acc.init_trackers("rstar2", config=tracker_config(cfg))
     set_seed(cfg.seed + acc.process_index)  # rollouts differ per rank; everything else is seeded explicitly
     # fp32 master weights whatever the checkpoint's dtype: AdamW's steps at lr 1e-6 are far below bf16's
     # resolution (they would round away); mixed_precision=bf16 computes in bf16.
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype=torch.float32)
+    try:
+        model = load_pretrained(AutoModelForCausalLM, cfg.model_path, torch_dtype=torch.float32)
+    except ValueError as e:
+        raise SystemExit(f"input error: {e}") from None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -710,7 +722,7 @@ def setup(cfg: TrainConfig):
     sampler = make_sampler(cfg, sampler_policy(cfg, acc, model), tokenizer)
     # The sampler starts from the trainer's weights (a resumed checkpoint's too), checked before any rollout.
     hand_off(acc, model, sampler)
-    probe = tokenizer.encode(fmt.prompt(problems[0]["problem"]), add_special_tokens=False)[:HANDOFF_PROBE_TOKENS]
+    probe = encode(tokenizer, fmt.prompt(problems[0]["problem"]))[:HANDOFF_PROBE_TOKENS]
     run = Run(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
               tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems, probe=probe,
               pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out,
@@ -786,13 +798,9 @@ def main(argv=None) -> None:
     finally:
         run.tool.close()
         bar.close()
-    acc.wait_for_everyone()
-    state = acc.get_state_dict(run.model)
-    if acc.is_main_process:  # written beside, then renamed: model/ is whole or absent
-        tmp = staging_dir(run.out / "model")
-        acc.unwrap_model(run.model).save_pretrained(tmp, state_dict=state)
-        run.tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, run.out / "model")
+    # model/ in the dtype the stage started from (the masters stay fp32 in the checkpoints), whole or absent
+    save_model(acc, run.model, run.tokenizer, run.out / "model", input_dtype(cfg.model_path))
+    if acc.is_main_process:
         plot_curves(log_path, run.out / "curves.png")
         print(f"saved {run.out / 'model'} and {run.out / 'curves.png'}")
     if hasattr(run.sampler, "close"):

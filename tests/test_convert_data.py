@@ -78,15 +78,23 @@ def test_bad_input_is_one_line(tmp_path):
         convert_data.main(["math", "hub", str(tmp_path / "o.jsonl")])
 
 
-def test_tir_solutions_become_tool_calling_conversations(tmp_path, capsys):
+def tir_row(problem, solution):
+    """A row as NuminaMath-TIR's parquet file holds it: the solution also as a two-message conversation."""
+    return {"problem": problem, "solution": solution,
+            "messages": [{"content": problem, "role": "user"}, {"content": solution, "role": "assistant"}]}
+
+
+def test_tir_solutions_become_tool_calling_conversations_with_the_tool_s_own_replies(tmp_path, capsys):
     solution = ("Let us count with Python.\n\n```python\nprint(sum(range(5)))\n```\n```output\n10\n```\n"
-                "So the sum is $10$; check it:\n```python\nx = 10\nprint(x * 2)\n```\n```output\n20\n```\n"
+                "So the sum is $10$; check it:\n```python\nx = 10\nx * 2\n```\n```output\n20\n```\n"
                 "The answer is $\\boxed{10}$.")
-    rows = [{"problem": "Sum 0..4.", "solution": solution, "messages": []},
-            {"problem": "No print.", "solution": "```python\n1 + 1\n```\n```output\n2\n```\n$\\boxed{2}$"},
-            {"problem": "Sum 0..4.", "solution": solution}]
+    rows = [tir_row("Sum 0..4.", solution),
+            tir_row("Wrong record.", "```python\nprint(1 + 1)\n```\n```output\n3\n```\n$\\boxed{3}$"),
+            tir_row("Fails here.", "```python\nprint(1 / 0)\n```\n```output\ninf\n```\n$\\boxed{0}$"),
+            tir_row("No box.", "```python\nprint(2)\n```\n```output\n2\n```\nSo 2."),
+            tir_row("Sum 0..4.", solution)]
     src, out = write(tmp_path / "tir.jsonl", rows), tmp_path / "sft.jsonl"
-    convert_data.main(["tir", str(src), str(out), "--decontaminate"])
+    convert_data.main(["tir", str(src), str(out), "--decontaminate", "--tool-workers", "1"])
     (conversation,) = load_conversations(out)  # renders in our protocol
     def call(code):
         return [{"function": {"name": "execute_python_code_with_standard_io", "arguments": {"code": code}}}]
@@ -94,10 +102,40 @@ def test_tir_solutions_become_tool_calling_conversations(tmp_path, capsys):
         {"role": "user", "content": "Sum 0..4."},
         {"role": "assistant", "content": "Let us count with Python.</reason>\n",
          "tool_calls": call("print(sum(range(5)))")},
-        {"role": "tool", "content": "10"},
+        {"role": "tool", "content": "ok\n10\n"},  # ToolResult.render(), as a rollout shows it
         {"role": "assistant", "content": "So the sum is $10$; check it:</reason>\n",
-         "tool_calls": call("x = 10\nprint(x * 2)")},
-        {"role": "tool", "content": "20"},
+         "tool_calls": call("x = 10\nx * 2")},
+        {"role": "tool", "content": "ok\n20\n"},  # the tool's echo of a last expression
         {"role": "assistant", "content": "The answer is $\\boxed{10}$.</reason>\n<answer>\\boxed{10}</answer>"}]
-    assert capsys.readouterr().out.strip().endswith("1 conversations from 3 rows; dropped repeats 1, no usable code 1, "
-                                                    "in eval sets 0")
+    assert capsys.readouterr().out.strip().endswith(
+        "1 conversations from 5 rows; dropped repeats 1, no usable code 1, tool output differs 2, in eval sets 0")
+
+
+def test_converted_tir_tool_turns_are_what_a_rollout_appends_token_for_token(tmp_path, qwen_tokenizer_dir):
+    """NuminaMath-TIR rows (parquet, the set's own layout) through convert_data.py, on Qwen3-Base's vocabulary: for
+    every tool turn of every converted conversation, the ids SFT trains around equal the ids a rollout appends after
+    running the same call through the code tool (before: 0 of them did; the dataset's bare output is not what the
+    tool shows)."""
+    import rehearsal
+    from code_tool import CodeTool
+    from protocol import ToolCall, chat_format
+    from rollout import Trajectory, append_tool_response
+    from sft import build_labels
+    from transformers import AutoTokenizer
+    src = rehearsal.write_parquet(tmp_path / "train-00000-of-00001.parquet", rehearsal.tir_rows())
+    out = tmp_path / "sft.jsonl"
+    convert_data.main(["tir", str(src), str(out), "--decontaminate", "--tool-workers", "1"])
+    tok, fmt = AutoTokenizer.from_pretrained(qwen_tokenizer_dir), chat_format("default")
+    same, total = 0, 0
+    with CodeTool(workers=1, max_output_chars=1000) as tool:  # the settings of the Qwen3 RL configs
+        for messages in load_conversations(out):
+            segments = fmt.render_messages(messages)
+            for k, message in enumerate(messages):
+                if message.get("tool_calls"):
+                    code = message["tool_calls"][0]["function"]["arguments"]["code"]
+                    traj = Trajectory("p", [0])
+                    append_tool_response(traj, ToolCall(code=code), tool.run(code), tok, 100_000, fmt)
+                    sft_turn = build_labels(tok, segments[k + 1:k + 2])[0]  # the segment after the call
+                    same += traj.response_ids == sft_turn
+                    total += 1
+    assert total == 3 and same == total

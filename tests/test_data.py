@@ -83,6 +83,12 @@ def test_load_conversations_names_line_of_a_bad_conversation(tmp_path, messages,
 def test_check_model_path_accepts_a_model_folder_or_hub_id_only(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a whole model folder: config.json but no weights"):
+        check_model_path(str(tmp_path / "model"))  # e.g. a copy cut short, or a stage's out_dir given for model/
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a whole model folder: no tokenizer"):
+        check_model_path(str(tmp_path / "model"))  # transformers would build an empty one and encode text to []
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
     check_model_path(str(tmp_path / "model"))
     check_model_path("Qwen/Qwen3-14B-Base")  # a hub id is left to transformers
     for bad in [str(tmp_path), str(tmp_path / "missing"), "", "no_such_run/tiny/base/", "./model", "name"]:
@@ -133,6 +139,8 @@ def test_a_mistyped_local_model_folder_is_not_taken_for_a_hub_id(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "sft").mkdir(parents=True)
     (tmp_path / "runs" / "sft" / "config.json").write_text("{}")
+    (tmp_path / "runs" / "sft" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "runs" / "sft" / "tokenizer.json").write_text("{}")
     check_model_path("runs/sft")
     with pytest.raises(ValueError, match=r"'runs/sft_typo' is not a model folder \(no such folder in runs/"):
         check_model_path("runs/sft_typo")

@@ -47,6 +47,15 @@ def run(cmd, env, port=None):
 
 
 @pytest.fixture(scope="module")
+def bf16_base(tiny):
+    """The tiny base saved in bf16, as hub checkpoints are."""
+    from transformers import AutoTokenizer
+    AutoModelForCausalLM.from_pretrained(tiny / "base").to(torch.bfloat16).save_pretrained(tiny / "bf16")
+    AutoTokenizer.from_pretrained(tiny / "base").save_pretrained(tiny / "bf16")
+    return tiny / "bf16"
+
+
+@pytest.fixture(scope="module")
 def stage1(tiny, tmp_path_factory):
     """Three RL steps on one process (no FSDP) and on two FSDP ranks, from the same base model and data."""
     root = tmp_path_factory.mktemp("stage1")
@@ -139,3 +148,61 @@ def test_sft_under_fsdp_saves_the_whole_model_of_one_process(tiny, tmp_path):
     start = AutoModelForCausalLM.from_pretrained(tiny / "base").state_dict()
     assert a.keys() == b.keys() and max((a[n] - start[n]).abs().max().item() for n in a) > 1e-3
     assert all((a[n] - b[n]).abs().max() <= 2e-6 for n in a)
+
+
+# FSDP2 with bf16 compute, as the real configs run (mixed_precision: bf16)
+FSDP_BF16 = FSDP[:-1] + ["bf16"]
+
+
+def saved_dtypes(model_dir: Path) -> tuple[set, str]:
+    """The dtypes of model.safetensors' tensors and config.json's `dtype`."""
+    import json
+    import safetensors.torch
+    tensors = safetensors.torch.load_file(model_dir / "model.safetensors")
+    return {t.dtype for t in tensors.values()}, json.loads((model_dir / "config.json").read_text())["dtype"]
+
+
+def test_bf16_compute_passes_the_hand_off_against_an_fp32_sampler(tiny, tmp_path):
+    """An fp32 checkpoint gives each rank's sampler an fp32 copy while the trainer's forward runs in bf16: the
+    tolerance is the coarser side's, bf16 (before: fp32's, and the run stopped with "hand-off error at the start").
+    The model's logits are made trained-sized (embeddings x 20: a random model's are near 0, where bf16 rounding
+    hardly shows). The stage's model/ is fp32, as its input was."""
+    sharp = AutoModelForCausalLM.from_pretrained(tiny / "base")
+    with torch.no_grad():
+        sharp.model.embed_tokens.weight.mul_(20)
+    sharp.save_pretrained(tmp_path / "sharp")
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(tiny / "base").save_pretrained(tmp_path / "sharp")
+    out = tmp_path / "run"
+    args = train_args(tiny, out, 2) + [f"model_path={tmp_path / 'sharp'}", "mixed_precision=bf16"]
+    done = run(FSDP_BF16, {**ENV, "CPU_FSDP": "1", "ARGS": args}, port=29645)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert saved_dtypes(out / "model") == ({torch.float32}, "float32")
+
+
+@pytest.mark.parametrize("launch", ["one process", "fsdp2"])
+def test_a_bf16_checkpoint_s_stage_saves_model_in_bf16(tiny, bf16_base, tmp_path, launch):
+    """train.py trains fp32 masters (checkpoint-*/ keeps them) and writes model/ in the dtype it started from
+    (before: the fp32 masters, twice the bytes every engine of the next stage reads)."""
+    out = tmp_path / "run"
+    args = train_args(tiny, out, 1) + [f"model_path={bf16_base}", "mixed_precision=bf16"]
+    if launch == "fsdp2":
+        done = run(FSDP_BF16, {**ENV, "CPU_FSDP": "1", "ARGS": args}, port=29646)
+    else:
+        done = run([sys.executable], {**ENV, "ARGS": args})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert saved_dtypes(out / "model") == ({torch.bfloat16}, "bfloat16")
+    trained = AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(bf16_base).state_dict()
+    assert any(not torch.equal(trained[k], start[k]) for k in start)  # lr 1e-2: the step shows even in bf16
+
+
+def test_a_skipped_gather_is_still_caught_under_bf16_compute(tiny, tmp_path):
+    """The bf16 tolerance (0.1) is wide, but a sampler left with other weights is still stopped: at the start by
+    the gap, or after the first step because its log-probs did not move while the trainer's did."""
+    out = tmp_path / "skipped"
+    done = run(FSDP_BF16, {**ENV, "CPU_FSDP": "1", "SKIP_GATHER": "1",
+                           "ARGS": train_args(tiny, out, 2) + ["mixed_precision=bf16"]}, port=29647)
+    assert done.returncode != 0
+    assert "hand-off error" in done.stderr, done.stderr[-2000:]
+    assert not (out / "model").exists()

@@ -35,14 +35,28 @@ def test_memory_terms_by_hand():
         "weights": 4 * 396 / 2, "grads": 4 * 396 / 2, "adamw": 8 * 396 / 2,
         "gathered": 2 * (2 * 10 * 4 + 2 * 156),           # bf16 embedding + output layer + two layers
         "activations": 2 * 5 * 4 * 2 + 2 * 5 * (12 * 4 + 4 * 8) * 2,  # layer inputs + one layer and its gradients
-        "logits": 12 * 5 * 10,
+        "logits": 2 * 5 * 10 + 2 * 4 * 5 * 10,           # FSDP2's bf16 logits; one fp32 chunk (all 5 tokens) x 2
         "sampler_weights": 2 * 396,                       # HFSampler's own bf16 copy under FSDP
         "kv_cache": 3 * 5 * (2 * 2 * 1 * 2 * 2),          # slots x tokens x (layers, K and V, kv heads, head dim, bf16)
     }
     for key, value in expected.items():
         assert m[key] == pytest.approx(value), key
     assert m["rollout_peak"] == pytest.approx(792 + 1584 + 792 + 240)
-    assert m["update_peak"] == pytest.approx(792 + 792 + 1584 + 784 + 1680 + 600 + 792)
+    assert m["update_peak"] == pytest.approx(792 + 792 + 1584 + 784 + 1680 + 500 + 792)
+
+
+def test_the_logits_term_counts_one_chunk_of_logprobs_py():
+    import logprobs
+    from memory_plan import LOGPROB_CHUNK_ELEMENTS, logprob_chunk_bytes
+    assert LOGPROB_CHUNK_ELEMENTS == logprobs.CHUNK_ELEMENTS
+    assert logprob_chunk_bytes(12_288, 151_936) == 2 * 4 * logprobs.chunk_positions(151_936) * 151_936  # 134 MB
+    assert logprob_chunk_bytes(3, 151_936) == 2 * 4 * 3 * 151_936  # fewer tokens than a chunk
+    shape = Shape.from_config(PUBLIC_CONFIGS["qwen3-0.6b"])
+    args = dict(shard=1, micro_batch=2, seq_tokens=6144, gradient_checkpointing=True, sampler="vllm", gpu_gb=141.0)
+    fsdp, ddp = (memory_per_gpu(shape, fsdp=f, **args)["logits"] * GB for f in (True, False))
+    chunk = logprob_chunk_bytes(12_288, 151_936)
+    assert fsdp == pytest.approx(2 * 12_288 * 151_936 + chunk)  # FSDP2's bf16 logits
+    assert ddp == pytest.approx(6 * 12_288 * 151_936 + chunk)  # + the fp32 copy of Accelerate's autocast
 
 
 def test_vllm_engine_share_holds_its_weights_then_the_kv_cache():
@@ -68,8 +82,8 @@ def test_dry_run_prints_engines_and_memory_for_64_gpus(capsys):
     out = capsys.readouterr().out
     assert "rank 63: node 7 cuda:7 seed 63" in out and "TP 1" in out
     assert "14.77B parameters" in out and "FSDP over 8 GPUs" in out
-    assert "= 92.7 of 141 GB" in out and "= 62.2 of 141 GB" in out and "OVER" not in out
-    train.main(["configs/qwen3-14b/stage1.yaml", "dry_run=true", "world_size=64", "gpu_memory_gb=60"])
+    assert "= 92.7 of 141 GB" in out and "logits 3.2 (engine asleep) = 46.8 of 141 GB" in out and "OVER" not in out
+    train.main(["configs/qwen3-14b/stage1.yaml", "dry_run=true", "world_size=64", "gpu_memory_gb=40"])
     out = capsys.readouterr().out
-    assert "= 62.2 of 60 GB  OVER: does not fit" in out  # the update
-    assert "KV CACHE TOO SMALL" in out  # half of 60 GB barely holds the engine's 29.5 GB of weights
+    assert "= 46.8 of 40 GB  OVER: does not fit" in out  # the update
+    assert "KV CACHE TOO SMALL" in out  # half of 40 GB cannot hold the engine's 29.5 GB of weights

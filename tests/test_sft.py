@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -385,3 +386,82 @@ def test_a_packed_run_learns_what_the_padded_run_learns(tiny, tmp_path, one_torc
     assert packed == pytest.approx(padded, rel=1e-4)  # the same loss at every step, to float rounding
     assert all(torch.allclose(w_packed[k], w_padded[k], atol=1e-4) for k in w_padded)
     assert pack([([5] * 20, [5] * 20), ([6] * 10, [6] * 10), ([7] * 9, [7] * 9)], 0)["input_ids"].shape == (2, 20)
+
+
+# ----------------------------------------------------------------------------------- a bf16 checkpoint
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+MASTERS = [sys.executable, str(ROOT / "tests" / "run_sft_masters.py")]
+LAUNCH = {
+    "one process": [sys.executable],
+    "ddp": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29545"],
+    "fsdp2": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(ROOT / "configs/accelerate/fsdp_1node_8gpu.yaml"), "--num_processes", "2", "--mixed_precision", "no",
+              "--main_process_port", "29546"],
+}
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(tiny):
+    """The tiny model saved in bf16 (as hub checkpoints are), the same values saved in fp32, and what one SFT step in
+    one process does to the fp32 copy (the reference): (bf16 folder, start state dict, trained fp32 state dict)."""
+    root, base, data = tiny
+    model = AutoModelForCausalLM.from_pretrained(base).to(torch.bfloat16)
+    model.save_pretrained(root / "bf16")
+    AutoTokenizer.from_pretrained(base).save_pretrained(root / "bf16")
+    model.float().save_pretrained(root / "fp32")
+    AutoTokenizer.from_pretrained(base).save_pretrained(root / "fp32")
+    reference = _one_step("one process", root / "fp32", data, root / "fp32-run")
+    assert {t.dtype for t in safetensors.torch.load_file(root / "fp32-run" / "model" / "model.safetensors")
+            .values()} == {torch.float32}  # an fp32 input stays fp32
+    return root / "bf16", model.float().state_dict(), reference
+
+
+def _one_step(launch: str, model: Path, data: Path, out: Path) -> dict:
+    """One SFT optimizer step at the report's lr: the trained weights (masters.pt) and model/'s state dict."""
+    args = [f"model_path={model}", f"data={data}", f"out_dir={out}", "max_steps=1", "lr=5e-6", "warmup_ratio=0",
+            "batch_size=8", "micro_batch_size=4", "log_every=1", "system_prompt=compact", "user_instruction="]
+    env = {**ENV, "CPU_FSDP": "1"} if launch == "fsdp2" else ENV
+    done = subprocess.run(LAUNCH[launch] + MASTERS[1:] + args, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out / "masters.pt")
+
+
+@pytest.mark.parametrize("launch", ["one process", "ddp", "fsdp2"])
+def test_one_step_on_a_bf16_checkpoint_changes_the_weights_an_fp32_run_changes(tiny, bf16_pair, tmp_path, launch):
+    """AdamW's first step moves every weight with a gradient by about lr = 5e-6: bf16 rounds that away for most
+    weights (the defect: 7.8% of a bf16 model's weights moved), fp32 masters keep it. model/ comes back in bf16."""
+    bf16, start, reference = bf16_pair
+    trained = _one_step(launch, bf16, tiny[2], tmp_path / "bf16")
+    moved_ref = sum(int((reference[k] != start[k]).sum()) for k in start)
+    moved_both = sum(int(((reference[k] != start[k]) & (trained[k].float() != start[k])).sum()) for k in start)
+    assert moved_ref > 0.9 * sum(t.numel() for t in start.values())
+    assert moved_both > 0.99 * moved_ref, f"{moved_both / moved_ref:.1%} of the weights an fp32 run moves"
+    assert all(trained[k].dtype == torch.float32 for k in trained)
+    saved = safetensors.torch.load_file(tmp_path / "bf16" / "model" / "model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}  # model/ in the dtype the run started from
+    assert json.loads((tmp_path / "bf16" / "model" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_gradient_checkpointing_recomputes_each_layer_and_changes_no_number(tiny, tmp_path, monkeypatch,
+                                                                             one_torch_thread):
+    """gradient_checkpointing=true: each decoder layer runs twice per micro-batch (forward, then again in the
+    backward; counted at its MLP), and the run ends with the same weights as one without it."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+    calls, real = [], Qwen3MLP.forward
+    monkeypatch.setattr(Qwen3MLP, "forward", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    outs = {}
+    for checkpointing in (False, True):
+        calls.clear()
+        out = train(_cfg(tiny, tmp_path / str(checkpointing), max_steps=1, micro_batch_size=8,
+                         gradient_checkpointing=checkpointing))
+        outs[checkpointing] = (len(calls), AutoModelForCausalLM.from_pretrained(out).state_dict())
+    assert outs[False][0] == 2 and outs[True][0] == 4  # 2 layers x 1 micro-batch, then x 2 with recomputation
+    assert all(torch.equal(outs[False][1][k], outs[True][1][k]) for k in outs[False][1])
+
+
+def test_the_tensorboard_tracker_of_the_qwen3_configs_takes_the_config(tiny, tmp_path, one_torch_thread):
+    """report_to=tensorboard (configs/qwen3-*/sft.yaml): the config's None and list values reach TensorBoard's
+    hparams as text (before: "ValueError: value should be one of int, float, str, bool" before the first step)."""
+    out = train(_cfg(tiny, tmp_path / "run", max_steps=1, report_to="tensorboard"))
+    assert out.is_dir() and list((tmp_path / "run").rglob("events.out.tfevents.*"))
