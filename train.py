@@ -40,6 +40,7 @@ import cpu_threads  # noqa: F401  (first: it sets OpenMP's wait policy, which is
 import torch
 from tqdm import tqdm
 
+import accel
 from checkpoint import (begin_run, latest_checkpoint, load_checkpoint, replace_dir, resume_point, run_identity,
                         save_checkpoint, staging_dir)
 from code_tool import ERROR_FORMATS, CodeTool, SandboxError, announce, choose_sandbox
@@ -76,7 +77,7 @@ class TrainConfig:
     dry_run: bool = False                 # print the resolved plan and exit without loading a model
     world_size: int = 0                   # for dry_run only: plan for this many processes (0: the launcher's)
     gpus_per_node: int = 8                # for dry_run only: GPUs per node (the launch configs shard within one)
-    gpu_memory_gb: float = 141.0          # for dry_run only: memory of one GPU (H200: 141 GB, MI300X: 192 GB)
+    gpu_memory_gb: float = 150.7          # for dry_run only: one GPU's memory as its driver reports it (H200: 150.7)
     model_shape: str = ""                 # for dry_run only, before model_path exists: qwen3-0.6b | 1.7b | 14b
     # --- GRPO-RoC (report §2)
     prompts_per_step: int = 512           # B (over all ranks)
@@ -131,7 +132,8 @@ class TrainConfig:
     eval_limit: int = 0                   # first N held-out problems (0: all)
     save_every: int = 50
     keep_checkpoints: int = 2
-    report_to: str | None = None          # tensorboard | wandb (Accelerate trackers)
+    report_to: str | None = None          # tensorboard | wandb (Accelerate trackers); stops if it cannot start
+    process_group_timeout_s: float = accel.PROCESS_GROUP_TIMEOUT_S  # a collective's wait; sized in accel.py
     torch_threads: int = 0                # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
 
 
@@ -150,6 +152,7 @@ RANGES = {
     "adam_beta2": ">= 0 and < 1", "grad_clip": "> 0", "updates_per_step": ">= 1", "micro_batch_size": ">= 1",
     "log_every": ">= 1", "eval_every": ">= 0", "eval_samples": ">= 1", "eval_temperature": ">= 0",
     "eval_limit": ">= 0", "save_every": ">= 1", "keep_checkpoints": ">= 1", "torch_threads": ">= 0",
+    "process_group_timeout_s": "> 0",
 }
 
 # Keys that may differ from the checkpoint's config on resume without `resume_allow_changes`: they change no number
@@ -158,7 +161,7 @@ RANGES = {
 RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "dry_run", "world_size", "gpus_per_node",
                "gpu_memory_gb", "model_shape", "log_every", "report_to", "save_every", "keep_checkpoints",
                "torch_threads", "tool_workers", "tool_backend", "tool_require_isolation",
-               "vllm_gpu_memory_utilization"}
+               "vllm_gpu_memory_utilization", "process_group_timeout_s"}
 
 
 # ============================================================================ plain helpers (no rank logic here)
@@ -585,13 +588,11 @@ class Run:
 
 def setup(cfg: TrainConfig):
     """Everything before step 0, in the order that stops on bad input before any expensive work."""
-    from accelerate import Accelerator
     from accelerate.utils import DistributedType, set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # cpu=True without a GPU: the only way Accelerate sets up gloo across CPU processes (torchrun, accelerate launch)
-    acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision,
-                      log_with=cfg.report_to, project_dir=cfg.out_dir)
+    acc = accel.make_accelerator(mixed_precision=cfg.mixed_precision, report_to=cfg.report_to, out_dir=cfg.out_dir,
+                                 timeout_s=cfg.process_group_timeout_s)  # trackers, timeout, FSDP2 policy
     threads = cpu_threads.set_torch_threads(cfg.torch_threads)  # after Accelerate, which may set its own count
     validate(cfg, acc.num_processes)
     try:  # where and how model code runs (code_tool.py's sandbox modes)
