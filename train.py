@@ -99,7 +99,7 @@ class TrainConfig:
     sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU; CPU build too)
     rollout_batch_size: int = 64          # requests decoded together, hf sampler slots
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
-    vllm_gpu_memory_utilization: float = 0.5  # vLLM's share of GPU memory (its KV cache; weights sleep in updates)
+    vllm_gpu_memory_utilization: float = 0.5  # vLLM's share of the reported GPU memory (memory_plan.py)
     vllm_tensor_parallel_size: int = 1    # only 1: one single-device engine per rank
     vllm_dtype: str = "bfloat16"          # the engine's weights and activations (float32 for the tiny CPU runs)
     vllm_enforce_eager: bool = False      # no CUDA graphs / torch.compile (faster start; the CPU build's tests)
@@ -292,18 +292,26 @@ def is_sharded(model) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def gathered_weights(model, device):
-    """(name, full tensor) for each parameter and persistent buffer, one at a time. Under FSDP each parameter is
-    all-gathered when it is reached (a collective: every rank iterates, in the same order) and the consumer drops
-    it before the next, so at most one unsharded parameter exists at once, whatever the model's size (TRL and verl
-    stream FSDP weights into vLLM the same way). Tied weights come once (`named_parameters` skips duplicates)."""
+def gathered_weights(model, device, dtype=None):
+    """(name, full tensor) for each parameter and persistent buffer, floats cast to `dtype` (the sampler's; None: as
+    stored). Under FSDP each parameter is all-gathered when it is reached (a collective: every rank iterates, in the
+    same order), its shard cast first, so a bf16 sampler halves the all-gather and what it holds. The consumer keeps
+    what it needs: vLLM's layer-wise reload holds the parts of a fused weight (q, k and v; gate and up) until their
+    layer is complete, so at most about one decoder layer exists unsharded at once, whatever the model's size (TRL
+    and verl stream FSDP weights into vLLM the same way). A tied weight is gathered once and sent under each of its
+    names: vLLM's reload loads its output layer only from `lm_head.weight` and logs a failed load without it."""
     from torch.distributed.tensor import DTensor
     persistent = model.state_dict().keys()  # communication-free under FSDP2: local shards
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+    tied: dict[int, tuple[torch.Tensor, list[str]]] = {}  # id(tensor) -> (tensor, its names)
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         if name in persistent:
-            if isinstance(t, DTensor):
-                t = t.to(device).full_tensor()  # .to: parameters offloaded to CPU gather on the device
-            yield name.replace("_checkpoint_wrapped_module.", ""), t.detach()
+            tied.setdefault(id(t), (t, []))[1].append(name.replace("_checkpoint_wrapped_module.", ""))
+    for t, names in tied.values():
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        if isinstance(t, DTensor):
+            t = t.to(device=device, dtype=cast).full_tensor()  # .to: parameters offloaded to CPU gather on the device
+        for name in names:
+            yield name, t.detach().to(cast)
 
 
 def sampler_policy(cfg, accelerator, model):
@@ -334,7 +342,8 @@ def hand_off(accelerator, model, sampler) -> None:
     """Phase 9: the trainer's weights into the sampler: the module itself where this rank holds all of it, else
     the gathered parameters, streamed."""
     policy = accelerator.unwrap_model(model)
-    sampler.update_weights(gathered_weights(policy, accelerator.device) if is_sharded(policy) else policy)
+    sampler.update_weights(gathered_weights(policy, accelerator.device, sampler.dtype) if is_sharded(policy)
+                           else policy)
 
 
 # ============================================================================ the policy update (phases 7-8)
