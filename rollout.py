@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
-from protocol import ChatFormat, ToolCall, count_answer_blocks, parse_tool_call, tool_response_turn
+from code_tool import RESULT_FORMATS
+from protocol import ChatFormat, ToolCall, count_answer_blocks
 
 END_REASONS = ("answer", "max_turns", "length")
 PARSE_ERROR = "parse_error"  # ToolCallRecord.status of a call that could not be parsed, so it never ran
@@ -44,7 +45,7 @@ class ToolCallRecord:
     """One tool call as made: what ran and what the model was shown."""
     code: str
     stdin: str
-    response: str  # the text inside <tool_response> (ToolResult.render() or the parse error)
+    response: str  # the text inside <tool_response> (the ToolResult as the format writes it, or the parse error)
     status: str  # ToolResult.status ("ok", "error", "timeout", "memory", ...) or "parse_error"
 
     @property
@@ -112,14 +113,14 @@ def append_sampled(traj: Trajectory, completion) -> None:
         traj.logprobs = None
 
 
-def end_turn(traj: Trajectory, turn_text: str, stopped: bool, max_turns: int) -> ToolCall | None:
+def end_turn(traj: Trajectory, turn_text: str, stopped: bool, max_turns: int, fmt: ChatFormat) -> ToolCall | None:
     """Close the current turn. Returns the tool call to execute, or None when the rollout ended (then `end_reason`
     is set). stopped: the turn ended with its stop token (else it ran out of the response budget)."""
     traj.turns.append(turn_text)
     if not stopped:
         traj.end_reason = "length"
         return None
-    call = parse_tool_call(turn_text)
+    call = fmt.parse_tool_call(turn_text)
     if call is None:
         traj.end_reason = "answer"
     elif traj.num_turns >= max_turns:  # the last allowed turn may not call the tool
@@ -128,15 +129,16 @@ def end_turn(traj: Trajectory, turn_text: str, stopped: bool, max_turns: int) ->
     return call
 
 
-def append_tool_response(traj: Trajectory, call: ToolCall, result, tokenizer, max_response_tokens: int) -> None:
+def append_tool_response(traj: Trajectory, call: ToolCall, result, tokenizer, max_response_tokens: int,
+                         fmt: ChatFormat) -> None:
     """Record the call and append its environment text (loss mask 0), or end with "length" if it does not fit.
     result: the ToolResult, or None for a call that failed to parse."""
     if call.error is not None:
         text, status = call.error, PARSE_ERROR
     else:
-        text, status = result.render(), result.status
+        text, status = RESULT_FORMATS[fmt.tool_result_format](result), result.status
     traj.tool_calls.append(ToolCallRecord(call.code, call.stdin, text, status))
-    ids = tokenizer.encode(tool_response_turn(text), add_special_tokens=False)
+    ids = tokenizer.encode(fmt.tool_response_turn(text), add_special_tokens=False)
     if len(traj.response_ids) + len(ids) > max_response_tokens:
         traj.end_reason = "length"  # it does not fit: nothing of it is appended
         return
@@ -181,12 +183,12 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
         # 1. Generate: the turns that finished in this step are recorded; their tool calls start at once.
         for i, c in sampler.step() if sampler.has_work() else []:
             append_sampled(trajs[i], c)
-            call = end_turn(trajs[i], _decode_turn(tokenizer, c.token_ids, c.stopped), c.stopped, max_turns)
+            call = end_turn(trajs[i], _decode_turn(tokenizer, c.token_ids, c.stopped), c.stopped, max_turns, fmt)
             if call is not None and call.error is None:
                 in_flight[tool.submit(call.code, call.stdin)] = (i, call)
                 continue
             if call is not None:  # a malformed call never reaches the tool: its error is the response
-                append_tool_response(trajs[i], call, None, tokenizer, max_response_tokens)
+                append_tool_response(trajs[i], call, None, tokenizer, max_response_tokens, fmt)
             go_on(i)
         # 2. Read the tool results that are back; with nothing left to generate, wait for them.
         if sync_turns:
@@ -197,7 +199,7 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
             ready = list(wait(in_flight, return_when=FIRST_COMPLETED).done) if in_flight else []
         for future in sorted(ready, key=lambda f: in_flight[f][0]):  # a fixed order of re-adding
             i, call = in_flight.pop(future)
-            append_tool_response(trajs[i], call, future.result(), tokenizer, max_response_tokens)
+            append_tool_response(trajs[i], call, future.result(), tokenizer, max_response_tokens, fmt)
             go_on(i)
     bar.close()
     return trajs

@@ -57,7 +57,7 @@ from checkpoint import (begin_run, latest_checkpoint, load_checkpoint, replace_d
                         save_checkpoint, staging_dir)
 from config import check_ranges, config_dict, format_config, parse_cli, save_config
 from data import check_model_path, load_conversations
-from protocol import DEFAULT_USER_INSTRUCTION, chat_format
+from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of
 
 IGNORE = -100  # label of a token that is not trained (PyTorch cross_entropy's ignore_index)
 
@@ -84,8 +84,13 @@ class SFTConfig:
     adam_beta2: float = 0.999
     grad_clip: float = 1.0  # max global grad norm; report gives 1.0 for RL, nothing for SFT
     seed: int = 0
-    system_prompt: str = "default"  # preset name ("default", "compact") or the text itself
-    user_instruction: str = DEFAULT_USER_INSTRUCTION  # appended to each problem ("" for none)
+    system_prompt: str = "default"  # a preset (default, compact, rstar2_public) or the text itself (protocol.py)
+    user_instruction: str = DEFAULT_USER_INSTRUCTION  # fills user_template's {instruction} slot ("" for none)
+    user_template: str = "default"  # the user turn: a preset (default, rstar2_public) or a text with {problem}
+    tool_name: str = TOOL_NAME  # the tool the conversations' calls name (public format: python_code_with_standard_io)
+    tool_required: list[str] = field(default_factory=lambda: ["code"])  # the arguments its schema marks required
+    tool_result_format: str = "default"  # the chat format's (train.py, eval.py); SFT data holds its results as text
+    newline_after_turn: bool = True  # "\n" after an assistant turn's <|im_end|> (the public agent loop writes none)
     mixed_precision: str = "no"  # "no" or "bf16" (Accelerate autocast)
     log_every: int = 10  # optimizer steps between log lines
     report_to: str | None = None  # None, "tensorboard" or "wandb"; a tracker that cannot start stops the run
@@ -270,7 +275,10 @@ def check_inputs(cfg: SFTConfig):
     if cfg.save_every and cfg.save_every % cfg.log_every:
         # a checkpoint between two log lines would lose the losses gathered since the last line
         raise SystemExit(f"sft: save_every={cfg.save_every} must be a multiple of log_every={cfg.log_every}")
-    chat = chat_format(cfg.system_prompt, cfg.user_instruction)
+    try:
+        chat = chat_format_of(cfg)
+    except ValueError as e:
+        raise SystemExit(f"config error: {e}") from None
     try:
         return chat, load_conversations(cfg.data, chat)
     except ValueError as e:

@@ -34,6 +34,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import cpu_threads  # noqa: F401  (first: it sets OpenMP's wait policy, which is read when torch loads)
@@ -49,9 +50,10 @@ from data import check_model_path, load_problems
 from hf_sampler import HFSampler
 from memory_plan import engine_lines, memory_lines
 from plots import plot_curves
-from grpo_roc import (drop_equal_groups, group_advantages, penalty_total, policy_loss, resample_on_correct,
-                      sequence_mean_policy_loss)
-from protocol import chat_format
+from grpo_roc import (drop_equal_groups, group_advantages, mismatch_sums, penalty_total, policy_loss,
+                      resample_on_correct, sequence_log_ratios, sequence_mask_weights, sequence_mean_policy_loss,
+                      sequence_mismatch, truncated_is_weights)
+from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of
 from reward import check_many, default_pool, extract_answer
 from rollout import rollout, rollout_sums
 from sampler import HANDOFF_PROBE_TOKENS, HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs
@@ -88,14 +90,24 @@ class TrainConfig:
     clip_low: float = 0.2                 # epsilon_low
     clip_high: float = 0.28               # epsilon_high (clip-higher)
     dual_clip: float | None = None        # verl's 3.0 for A < 0; not in the report
+    # --- engine-trainer mismatch (beyond the report; docs/method.md §9): always measured, corrected when asked
+    mismatch_correction: str = "off"      # off (report) | tis (token-level truncated IS) | seq_mask (geometric band)
+    mismatch_tis_cap: float = 2.0         # tis: C in min(pi_old / pi_sampler, C) (verl's default 2; TRL's 3)
+    mismatch_seq_low: float = 0.999       # seq_mask: a rollout whose geometric-mean ratio pi_old / pi_sampler is
+    mismatch_seq_high: float = 1.001      # seq_mask: below low or above high is dropped (verl's geometric preset)
     # --- rollout (report §2 and §4)
     max_response_tokens: int = 8192       # total response budget: 8K / 12K / 12K in stages 1 / 2 / 3
     max_turns: int = 10                   # assistant turns: 10 / 10 / 15 in stages 1 / 2 / 3
     max_prompt_tokens: int = 2048         # a longer rendered prompt is an input error
     temperature: float = 1.0              # report: 1.0 for training rollouts
     top_p: float = 1.0
-    system_prompt: str = "default"        # "default", a preset name ("compact") or the text itself
-    user_instruction: str = "Put the final answer inside <answer> </answer> as \\boxed{...}."
+    system_prompt: str = "default"        # a preset (default, compact, rstar2_public) or the text itself (protocol.py)
+    user_instruction: str = DEFAULT_USER_INSTRUCTION  # fills user_template's {instruction} slot ("" for none)
+    user_template: str = "default"        # the user turn: a preset (default, rstar2_public) or text with {problem}
+    tool_name: str = TOOL_NAME            # the name a call must give (public format: python_code_with_standard_io)
+    tool_required: list[str] = field(default_factory=lambda: ["code"])  # the arguments its schema marks required
+    tool_result_format: str = "default"   # how a result reads: default ("ok\n4\n") | rstar2_public ("Tool call ...")
+    newline_after_turn: bool = True       # "\n" after an assistant turn's <|im_end|> (the public agent loop: none)
     sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU; CPU build too)
     rollout_batch_size: int = 64          # requests decoded together, hf sampler slots
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
@@ -109,7 +121,7 @@ class TrainConfig:
     tool_memory_mb: int = 512
     tool_max_output_chars: int = 1000     # public code: 1,000 characters
     tool_backend: str = "auto"            # auto | servers (Linux) | subprocess (portable, slower)
-    tool_require_isolation: bool = False  # refuse to start unless model code runs in namespaces
+    tool_require_isolation: bool = False  # refuse to start without namespaces, Landlock and seccomp
     tool_error_format: str = "full"       # a failed call's text: full (compact traceback) | last_line (exception only)
     # --- optimizer (report §4)
     lr: float = 1e-6                      # constant after warm-up
@@ -143,6 +155,7 @@ RANGES = {
     "gpu_memory_gb": "> 0",
     "prompts_per_step": ">= 1", "rollouts_per_prompt": ">= 2", "group_size": ">= 2",
     "clip_low": ">= 0 and < 1", "clip_high": ">= 0", "dual_clip": "> 1",
+    "mismatch_tis_cap": "> 0", "mismatch_seq_low": "> 0 and <= 1", "mismatch_seq_high": ">= 1",
     "max_response_tokens": ">= 16", "max_turns": ">= 1", "max_prompt_tokens": ">= 1",
     "temperature": "> 0",  # the update divides the logits by it (0 is greedy for a sampler, undefined here)
     "top_p": "> 0 and <= 1", "rollout_batch_size": ">= 1",
@@ -183,6 +196,8 @@ def validate(cfg: TrainConfig, world: int) -> None:
                         f"per step (prompts_per_step / world * group_size / micro_batch_size)")
     if cfg.loss_agg not in LOSSES:
         problems.append(f"loss_agg must be one of {sorted(LOSSES)}, got {cfg.loss_agg!r}")
+    if cfg.mismatch_correction not in CORRECTIONS:
+        problems.append(f"mismatch_correction must be one of {list(CORRECTIONS)}, got {cfg.mismatch_correction!r}")
     if cfg.sampler not in ("hf", "vllm"):
         problems.append(f"sampler must be hf or vllm, got {cfg.sampler!r}")
     if cfg.vllm_tensor_parallel_size != 1:
@@ -190,6 +205,10 @@ def validate(cfg: TrainConfig, world: int) -> None:
                         "engine per rank; tensor parallelism would need a rank group to submit the same requests)")
     if cfg.tool_error_format not in ERROR_FORMATS:
         problems.append(f"tool_error_format must be one of {ERROR_FORMATS}, got {cfg.tool_error_format!r}")
+    try:  # the chat format's fields (protocol.chat_format)
+        chat_format_of(cfg)
+    except ValueError as e:
+        problems.append(str(e))
     if not cfg.data:
         problems.append("data: give at least one JSONL file of problems")
     if problems:
@@ -245,6 +264,19 @@ def pad_batch(trajs, pad_id: int) -> dict:
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
 
 
+def sampler_logprobs(trajs, width: int) -> torch.Tensor | None:
+    """The sampler's log-probs (Trajectory.logprobs, after temperature) in pad_batch's (n, width = L-1) layout,
+    aligned with loss_mask; 0 on prompt, tool text (the sampler drew none of it) and padding. None when a
+    trajectory carries none (a sampler that gives no log-probs)."""
+    if any(getattr(t, "logprobs", None) is None for t in trajs):
+        return None
+    out = torch.zeros((len(trajs), width))
+    for i, t in enumerate(trajs):
+        p = len(t.prompt_ids)
+        out[i, p - 1:p - 1 + len(t.logprobs)] = torch.tensor(t.logprobs, dtype=torch.float)
+    return out
+
+
 def token_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
     """log pi(x_t | x_<t) of every next token: (n, L-1). Logits are divided by the sampling temperature so the
     numbers are those of the distribution the rollouts were drawn from (verl does the same)."""
@@ -255,6 +287,12 @@ def token_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
 
 # Loss aggregation for ablations: one string picks the function, at this one call site.
 LOSSES = {"token": policy_loss, "sequence": sequence_mean_policy_loss}
+# Mismatch corrections (grpo_roc.py): config -> the per-token loss weights; None: no correction (the report's loss).
+CORRECTIONS = {
+    "off": lambda cfg: None,
+    "tis": lambda cfg: partial(truncated_is_weights, cap=cfg.mismatch_tis_cap),
+    "seq_mask": lambda cfg: partial(sequence_mask_weights, low=cfg.mismatch_seq_low, high=cfg.mismatch_seq_high),
+}
 
 
 # ============================================================================ distributed plumbing (the only rank logic)
@@ -356,9 +394,12 @@ def micro_batches(items: list, size: int, count: int) -> list[list]:
 def make_batch(chunk: list, dummy, pad_id: int) -> tuple[dict, torch.Tensor]:
     """(batch, advantages (n,)) for a chunk of (trajectory, advantage); an empty chunk becomes one mask-0 copy of
     `dummy`, so a rank with nothing left to train on still joins every collective."""
+    trajs = [t for t, _ in chunk] or [dummy]
+    batch = pad_batch(trajs, pad_id)
+    if (logp := sampler_logprobs(trajs, batch["loss_mask"].shape[1])) is not None:
+        batch["sampler_logp"] = logp
     if chunk:
-        return pad_batch([t for t, _ in chunk], pad_id), torch.tensor([a for _, a in chunk], dtype=torch.float)
-    batch = pad_batch([dummy], pad_id)
+        return batch, torch.tensor([a for _, a in chunk], dtype=torch.float)
     batch["loss_mask"].zero_()
     return batch, torch.zeros(1)
 
@@ -375,8 +416,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, cfg, pad_id: int) -> dict:
-    """Phases 7-8 on this rank's kept [(trajectory, advantage)]. Returns metrics as {name: (sum, count)}."""
+    """Phases 7-8 on this rank's kept [(trajectory, advantage)]. Returns metrics as {name: (sum, count)}: the loss's,
+    and the sampler-trainer gap on the kept rollouts' sampled tokens (`mismatch/*`, from the old log-probs the
+    update computes anyway)."""
     world, size = accelerator.num_processes, cfg.micro_batch_size
+    correction = CORRECTIONS[cfg.mismatch_correction](cfg)
     # Every rank runs the same number of micro-batches (the largest any rank needs).
     n_micro = max(int(all_max(accelerator, math.ceil(len(kept) / size))), 1)
     per_update = math.ceil(n_micro / cfg.updates_per_step)
@@ -391,6 +435,10 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
     # Under FSDP, skipping the gradient sync would keep a whole unsharded gradient on every GPU until the last
     # micro-batch; instead each micro-batch's gradient is reduce-scattered into the shards as it comes.
     sync_each = is_sharded(model)
+    measured = all("sampler_logp" in b for b, _ in batches)  # the sampler gave log-probs: the gap is measured
+    if correction and not measured:
+        raise SystemExit(f"config error: mismatch_correction={cfg.mismatch_correction} needs the sampler's "
+                         "log-probs, and this sampler gives none")
     # Phase 7: old log-probs under the policy before this step's first update. The first mini-batch's are the
     # log-probs its own forward computes (nothing has changed the policy yet), so only later mini-batches need a
     # forward of their own now (None: take them from the update's forward).
@@ -400,7 +448,7 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
                enumerate(batches)]
     model.train()
     # Phase 8: `updates_per_step` optimizer steps (mini-batches), each accumulating its micro-batches.
-    sums = {}
+    sums, seq_log_ratios = {}, []
     for u in range(cfg.updates_per_step):
         ids = list(range(u * per_update, min((u + 1) * per_update, n_micro)))
         # The normaliser, over ALL ranks and micro-batches of this mini-batch: unmasked tokens (token-level loss)
@@ -414,14 +462,24 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
             with contextlib.nullcontext() if last or sync_each else accelerator.no_sync(model):
                 logp = token_logprobs(model, batch, cfg.temperature)
                 old_logp = logp.detach() if old[i] is None else old[i]
+                sampler_logp = batch.get("sampler_logp")
+                weights = correction(old_logp, sampler_logp, batch["loss_mask"]) if correction else None
                 loss, metrics = LOSSES[cfg.loss_agg](logp, old_logp, adv, batch["loss_mask"], clip_low=cfg.clip_low,
-                                                     clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, **norm)
+                                                     clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+                                                     is_weights=weights, **norm)
                 # x world: DDP/FSDP average gradients over ranks, and the normaliser already counts every rank.
                 accelerator.backward(loss * world)
             loss_sum += loss.item()
             w = batch["loss_mask"].sum().item()
             for k, v in metrics.items():
                 _add(sums, k, v * w, w)
+            if measured:  # the gap on the tokens this loss sees: the kept rollouts' sampled tokens
+                for k, (total, count) in mismatch_sums(old_logp, sampler_logp, batch["loss_mask"]).items():
+                    _add(sums, f"mismatch/{k}", total, count)
+                log_w = sequence_log_ratios(old_logp, sampler_logp, batch["loss_mask"])
+                seq_log_ratios += log_w[:len(chunks[i])].tolist()  # not the mask-0 filler of an empty chunk
+            if weights is not None:  # what the correction did: its mean weight on the sampled tokens
+                _add(sums, "mismatch/correction_weight_mean", float((weights * batch["loss_mask"]).sum()), w)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         # A NaN or infinite loss stops the run before it reaches the weights; summed over ranks, so all stop together.
         if all_sum(accelerator, [float(not (math.isfinite(loss_sum) and math.isfinite(float(grad_norm))))])[0]:
@@ -432,6 +490,10 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
         # Each rank adds its share; reduce_sums divides the global sum by updates_per_step.
         _add(sums, "policy", loss_sum, 1.0 / world)
         _add(sums, "grad_norm", float(full(grad_norm)) / world, 1.0 / world)
+    if measured:  # the sequence-level gap over every rank's kept rollouts: the same numbers on every rank
+        from accelerate.utils import gather_object  # every rank's list, concatenated (a no-op on one process)
+        for k, v in sequence_mismatch(gather_object(seq_log_ratios)).items():
+            _add(sums, f"mismatch/{k}", v, 1.0)
     return sums
 
 
@@ -477,8 +539,8 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     t1 = time.perf_counter()
     if hasattr(run.sampler, "sleep"):
         run.sampler.sleep()  # colocated vLLM: free the GPU memory of its weights and KV cache for the update
-    sums = {f"loss/{k}": v for k, v in update_policy(acc, run.model, run.optimizer, run.scheduler,
-                                                      list(zip(kept, adv)), trajs[0], cfg, run.pad_id).items()}
+    sums = {k if "/" in k else f"loss/{k}": v for k, v in update_policy(
+        acc, run.model, run.optimizer, run.scheduler, list(zip(kept, adv)), trajs[0], cfg, run.pad_id).items()}
     t_update = time.perf_counter() - t1
     # ---------------------------------------------------------------- 9. hand the new weights to the sampler
     hand_off(acc, run.model, run.sampler)
@@ -618,7 +680,7 @@ def setup(cfg: TrainConfig):
     except ValueError as e:
         raise SystemExit(f"input error: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-    fmt = chat_format(cfg.system_prompt, cfg.user_instruction)
+    fmt = chat_format_of(cfg)
     check_inputs(cfg, tokenizer, fmt, problems + eval_problems)
     identity = run_identity(cfg, cfg.data + ([cfg.eval_data] if cfg.eval_data else []))
     start = resume_point(cfg, out, identity, RESUME_FREE)
@@ -685,10 +747,17 @@ def make_sampler(cfg: TrainConfig, model, tokenizer):
     return HFSampler(model, tokenizer, batch_size=cfg.rollout_batch_size)
 
 
+# The step line shows the sampler-trainer gap (mismatch/logp_abs_diff_mean) above this: an fp32 engine's is ~1e-6
+# (rounding in another summation order), a bf16 engine's ~1e-2 (bench/mismatch.py).
+GAP_SHOWN = 1e-3
+
+
 def log_line(step: int, m: dict) -> str:
     keys = [("reward", "rollout/reward_mean"), ("acc", "eval/accuracy"), ("err+", "rollout/tool_error_rate_in_correct"),
             ("calls", "rollout/tool_calls_mean"), ("len", "rollout/response_tokens_mean"),
             ("trunc", "rollout/truncated_frac"), ("equal", "roc/equal_group_frac"), ("tok/s", "perf/tokens_per_s")]
+    if m.get("mismatch/logp_abs_diff_mean", 0.0) > GAP_SHOWN:
+        keys.append(("gap", "mismatch/logp_abs_diff_mean"))
     return f"step {step:4d} " + " ".join(f"{name} {m[k]:.3g}" for name, k in keys if k in m)
 
 

@@ -12,23 +12,31 @@ of the rounds' ratios to the plain way, since a shared machine's speed drifts wi
 lost or hung calls and the honest calls' throughput.
 
 Also, side by side: the trivial calls on a pool without light servers (every server preloads numpy and sympy), and
-the CPU one call costs each way. The plain side starts sys.executable, so that interpreter's start-up is the
+the CPU one call costs each way. And what the kernel layers cost (landlock_seccomp.py): the same calls on tools
+with Landlock and seccomp and on tools without them (kernel_layers=False), alternating blocks over the rounds as
+above: trivial calls at 1 and 16 in flight, the sympy solve, an import of numpy and sympy from disk (a pool that
+preloads neither: every file the import opens passes Landlock's checks), trivial calls on the subprocess backend;
+then CPU and child page faults per trivial call, each way, and the time a forked child takes to enter the Landlock
+domain (`--layers-only`: just this part). The plain side starts sys.executable, so that interpreter's start-up is the
 baseline: install this project as the Makefile does (`editable_mode=compat`); setuptools' default editable mode adds
 an import hook to every start, which would flatter CodeTool.
-Run: `.venv/bin/python bench/code_tool.py [--quick] [--workers W]`.
+Run: `.venv/bin/python bench/code_tool.py [--quick] [--workers W] [--layers-only]`.
 """
 import argparse
+import contextlib
 import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import landlock_seccomp  # noqa: E402
 from code_sandbox import PRELOAD  # noqa: E402
 from code_tool import CodeTool, default_workers  # noqa: E402
 
@@ -83,13 +91,13 @@ def ours(tool: CodeTool, code: str, in_flight: int, n: int) -> tuple[list[float]
     return latencies, wall
 
 
-def side_by_side(runners: dict, rounds: int) -> tuple[dict, dict]:
+def side_by_side(runners: dict, rounds: int, baseline: str = "plain") -> tuple[dict, dict]:
     """Blocks of each side (name -> a function that runs one block and returns (latencies, wall seconds)), in a
     rotating order, `rounds` times (this shared machine's speed drifts within a run; each round compares like
     with like). Returns ({side: (calls/s, p50, p99) over all rounds}, {side: the rounds' throughput ratios to the
-    "plain" side})."""
+    baseline side})."""
     sides = {name: ([], 0.0) for name in runners}
-    ratios = {name: [] for name in runners if name != "plain"}
+    ratios = {name: [] for name in runners if name != baseline}
     names = list(runners)
     for r in range(rounds):
         rates = {}
@@ -98,7 +106,7 @@ def side_by_side(runners: dict, rounds: int) -> tuple[dict, dict]:
             rates[name] = len(latencies) / wall
             sides[name] = (sides[name][0] + latencies, sides[name][1] + wall)
         for name in ratios:
-            ratios[name].append(rates[name] / rates["plain"])
+            ratios[name].append(rates[name] / rates[baseline])
     return {name: summarize(*value) for name, value in sides.items()}, ratios
 
 
@@ -141,12 +149,95 @@ def cpu_per_call(tool: CodeTool, portable: CodeTool, n: int) -> dict:
 FAULTS = "import resource\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)"  # the call child's so far
 
 
-def child_faults(extra: tuple[str, ...], n: int = 50) -> float:
+def child_faults(extra: tuple[str, ...], n: int = 50, kernel_layers: bool = True) -> float:
     """Mean page faults a trivial call's child has taken by its last line (fork, confinement, compile, run), on a
     one-server pool of the light preload plus `extra`: what a module in a server costs every call it forks."""
     light = tuple(m for m in PRELOAD if m in sys.stdlib_module_names) + extra
-    with CodeTool(workers=1, preload=light) as tool:
+    with CodeTool(workers=1, preload=light, kernel_layers=kernel_layers) as tool:
         return statistics.mean(int(r.stdout) for r in tool.run_batch([(FAULTS, "")] * n))
+
+
+def servers_cpu(tool: CodeTool, code: str, in_flight: int, n: int) -> float:
+    """CPU ms per call on the servers (their call children included) and in the caller."""
+    pids, caller = tool.pids(), resource.getrusage(resource.RUSAGE_SELF)
+    before = sum(map(tree_cpu, pids)) + caller.ru_utime + caller.ru_stime
+    ours(tool, code, in_flight, n)
+    caller = resource.getrusage(resource.RUSAGE_SELF)
+    return (sum(map(tree_cpu, pids)) + caller.ru_utime + caller.ru_stime - before) / n * 1e3
+
+
+LAYERS_WORKLOADS = (  # (name, code, backend, light-only preload, in flight, calls per block at full scale)
+    ("(a) print(2+2)", TRIVIAL, "servers", False, 1, 400), ("(a) print(2+2)", TRIVIAL, "servers", False, 16, 1000),
+    ("(b) sympy solve", SYMPY, "servers", False, 16, 400),
+    ("(c) import numpy, sympy from disk", "import numpy, sympy", "servers", True, 2, 12),
+    ("(a) print(2+2), subprocess", TRIVIAL, "subprocess", False, 16, 160),
+)
+
+
+def entry_cost(n: int = 300) -> tuple[float, float]:
+    """Microseconds a forked child spends entering the Landlock domain (Confinement.restrict, all a call child does
+    for it) and the page faults that takes, each the mean over n forks of this process, minus a child that does
+    nothing in its place."""
+    confinement = landlock_seccomp.Confinement(landlock_seccomp.landlock_abi(), False, (tempfile.gettempdir(),))
+    spent = {}
+    for enter in (False, True):
+        read, write = os.pipe()
+        total = faults = 0.0
+        for _ in range(n):
+            if (pid := os.fork()) == 0:
+                before, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+                if enter:
+                    confinement.restrict()
+                took = time.perf_counter() - start
+                os.write(write, f"{took} {resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}\n".encode())
+                os._exit(0)
+            os.waitpid(pid, 0)
+            took, fault = os.read(read, 100).split()
+            total, faults = total + float(took), faults + int(fault)
+        os.close(read)
+        os.close(write)
+        spent[enter] = (total / n * 1e6, faults / n)
+    return spent[True][0] - spent[False][0], spent[True][1] - spent[False][1]
+
+
+def layers_cost(workers: int, scale: float, rounds: int) -> None:
+    """What Landlock and seccomp cost: each workload on a tool with the kernel layers and one without
+    (kernel_layers=False), alternating in one run; then CPU and page faults per trivial call, each way."""
+    tools, rows = {}, []
+    with contextlib.ExitStack() as stack:
+        for backend, light in dict.fromkeys((w[2], w[3]) for w in LAYERS_WORKLOADS):
+            for layers in (True, False):
+                tools[backend, light, layers] = stack.enter_context(CodeTool(
+                    workers=workers, timeout=30.0, backend=backend, preload=("math",) if light else PRELOAD,
+                    kernel_layers=layers))
+        on = tools["servers", False, True]
+        print(f"\nkernel layers: {on.layers or 'none here'} ({on.sandbox_line.split(' (')[0]}) against none")
+        for tool in tools.values():
+            tool.run_batch([(TRIVIAL, "")] * workers)
+        for name, code, backend, light, in_flight, n in LAYERS_WORKLOADS:
+            size = max(int(n * scale / rounds), 2 * in_flight)
+            runners = {side: (lambda t=tools[backend, light, side == "with"]: ours(t, code, in_flight, size))
+                       for side in ("without", "with")}
+            rows.append((name, in_flight, *side_by_side(runners, rounds, baseline="without")))
+        cpu = {True: [], False: []}
+        for layers in (True, False) * rounds:  # alternating; the median of each side
+            cpu[layers].append(servers_cpu(tools["servers", False, layers], TRIVIAL, 16, int(1000 * scale / rounds)))
+        cpu = {layers: statistics.median(spent) for layers, spent in cpu.items()}
+    print(f"{'workload':<34} {'in flight':>9} | {'with: calls/s':>13} {'p50 ms':>7} {'p99 ms':>7} | "
+          f"{'without':>8} {'p50 ms':>7} {'p99 ms':>7} | with / without: median of {rounds} rounds (range)")
+    for name, in_flight, summary, ratios in rows:
+        (w_rate, w50, w99), (o_rate, o50, o99) = summary["with"], summary["without"]
+        r = ratios["with"]
+        print(f"{name:<34} {in_flight:>9} | {w_rate:>13.1f} {w50:>7.1f} {w99:>7.1f} | {o_rate:>8.1f} {o50:>7.1f} "
+              f"{o99:>7.1f} | {statistics.median(r):.3f}x ({min(r):.3f}-{max(r):.3f})")
+    faults = {layers: child_faults((), kernel_layers=layers) for layers in (True, False)}
+    print(f"CPU per trivial call at 16 in flight (servers, their call children and the caller): with {cpu[True]:.2f} "
+          f"ms, without {cpu[False]:.2f} ms ({cpu[True] / cpu[False] - 1:+.1%}); page faults of a trivial call's "
+          f"child: with {faults[True]:.0f}, without {faults[False]:.0f}")
+    if landlock_seccomp.landlock_abi():
+        micros, faults = entry_cost()
+        print(f"A forked child entering the Landlock domain (its one system call): {micros:.0f} us, {faults:.1f} "
+              "page faults more than a child that does not")
 
 
 def soak(tool: CodeTool, n: int, in_flight: int) -> dict:
@@ -165,11 +256,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls, about two minutes")
     parser.add_argument("--workers", type=int, default=default_workers())
+    parser.add_argument("--layers-only", action="store_true", help="only what Landlock and seccomp cost")
     args = parser.parse_args()
     scale, plain_cap = (0.25, 16) if args.quick else (1.0, PLAIN_MEMORY_CAP)
     rounds = 3 if args.quick else 5
     print(f"cores: {os.cpu_count()}, workers: {args.workers}, python: {sys.version.split()[0]}, quick: {args.quick}, "
           f"load average at start: {os.getloadavg()[0]:.1f} (other work on the machine slows both sides)")
+    if args.layers_only:
+        layers_cost(args.workers, scale, rounds)
+        return
     rows = []
     with CodeTool(workers=args.workers, timeout=10.0) as tool, \
             CodeTool(workers=args.workers, timeout=10.0, backend="subprocess") as portable:
@@ -220,6 +315,7 @@ def main() -> None:
     if any(r[1] != r[2] for r in rows):
         print(f"* the plain alternative with sympy ran at most {plain_cap} interpreters at once (~50 MB each); "
               "with every core busy its throughput cannot rise with more")
+    layers_cost(args.workers, scale, rounds)
     for backend in ("servers", "subprocess"):
         n = int(2000 * scale) if backend == "servers" else int(500 * scale)  # (the portable one is slower)
         with CodeTool(workers=args.workers, timeout=1.0, backend=backend) as tool:

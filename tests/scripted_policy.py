@@ -11,7 +11,8 @@ plays it (or, with use_rng, when the global torch RNG says so: that makes resume
 
 The sampler keeps its own copy of the model, as an engine does: `update_weights` copies the trainer's weights in
 (or skips them with skip_updates=True, a stale engine), and `score` answers from that copy, so train.py's hand-off
-check compares two models and can fail.
+check compares two models and can fail. With `logprob_shift` set, each turn comes with that copy's log-probs of its
+tokens (after temperature) plus the shift: an engine whose numbers are off by a known amount.
 """
 import copy
 import re
@@ -28,9 +29,10 @@ def say_problems(n: int, start: int = 1) -> list[dict]:
 
 
 class ScriptedSampler(TurnSampler):
-    def __init__(self, model, tokenizer, use_rng: bool = False, skip_updates: bool = False):
+    def __init__(self, model, tokenizer, use_rng: bool = False, skip_updates: bool = False,
+                 logprob_shift: float | None = None):
         self.model, self.tok, self.use_rng = copy.deepcopy(model), tokenizer, use_rng
-        self.skip_updates = skip_updates
+        self.skip_updates, self.logprob_shift = skip_updates, logprob_shift
         self.dtype = next(model.parameters()).dtype if model is not None else torch.float32  # None: eval only
         self.im_end = tokenizer.convert_tokens_to_ids(IM_END)
         self.updates = 0
@@ -53,8 +55,16 @@ class ScriptedSampler(TurnSampler):
             key = re.findall(r"Say (\d+)\.", text)[0]
             copy = seen[key] = seen.get(key, -1) + 1
             turn = self.tok.encode(self._turn(text, copy), add_special_tokens=False) + [self.im_end]
-            out.append(Completion(turn[:budget], None, len(turn) <= budget))
+            logprobs = None if self.logprob_shift is None else self._logprobs(ids, turn[:budget], temperature)
+            out.append(Completion(turn[:budget], logprobs, len(turn) <= budget))
         return out
+
+    def _logprobs(self, prompt, tokens, temperature) -> list[float]:
+        """log softmax(logits / T)[token] of each turn token under this sampler's model, plus logprob_shift."""
+        with torch.no_grad():
+            logits = self.model(torch.tensor([list(prompt) + tokens])).logits[0, len(prompt) - 1:-1]
+        logp = torch.log_softmax(logits.float() / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        return (logp + self.logprob_shift).tolist()
 
     def update_weights(self, model) -> None:
         """The trainer's module, or gathered (name, tensor) pairs (a sharded trainer), copied into this sampler's

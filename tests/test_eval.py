@@ -3,11 +3,13 @@ real run of the tiny model on AIME problems."""
 import itertools
 import json
 import math
+import re
 from fractions import Fraction
 
 import pytest
 
 import eval as ev
+from code_tool import choose_sandbox
 from config import load_config
 from protocol import IM_END, format_tool_call
 from rollout import ToolCallRecord, Trajectory
@@ -193,7 +195,58 @@ def test_cli_run_with_scripted_sampler_writes_results_and_exactly_the_unsolved(t
     text = ev.show(tmp_path / "out" / "trajectories.jsonl", 0)
     assert "Problem A." in text and "--- tool call ok: code\nprint(3*4)" in text and "\\boxed{12}" in text
     assert "--- tool response\nok\n12" in text
-    assert (tmp_path / "out" / "sandbox.txt").read_text().startswith("code tool sandbox: subprocess (")
+    assert (tmp_path / "out" / "sandbox.txt").read_text() == choose_sandbox("subprocess").line() + "\n"  # layers too
+
+
+class PublicFormatSampler(TurnSampler):
+    """Calls the tool as a model trained with the public rStar2-Agent format does (its tool name, code and input),
+    then answers with the number the tool printed."""
+
+    def __init__(self):
+        self.prompts = []
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):
+        out = []
+        for ids, budget in zip(prompts, max_new_tokens):
+            prompt = TOK.decode(ids)
+            self.prompts.append(prompt)
+            printed = re.search(r"stdout: (\S+)", prompt)  # the public result text; None for any other
+            turn = format_tool_call("print(int(input()) * 4)", "3", "python_code_with_standard_io")
+            turn = answer_turn(printed[1] if printed else "?") if "<tool_response>" in prompt else \
+                "Use Python.</reason>\n" + turn
+            full = TOK.encode(turn, add_special_tokens=False) + [IM_END_ID]
+            out.append(Completion(full[:budget], None, stopped=len(full) <= budget))
+        return out
+
+
+def test_eval_with_the_public_format_runs_and_scores_its_tool_calls(tmp_path, monkeypatch):
+    """configs/formats/rstar2_public.yaml: the public tool name parses, the call runs with its stdin, the result
+    comes back in the public text, right after the turn's <|im_end|>, and the answer read from it scores. The same
+    calls under the default format are unknown-tool errors."""
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"problem": "Problem A.", "answer": "12"}) + "\n")
+    monkeypatch.setattr(ev, "check_model_path", lambda path: None)
+    configs = [ev.__file__.replace("eval.py", "configs/tiny/eval.yaml")]
+    public = configs + [ev.__file__.replace("eval.py", "configs/formats/rstar2_public.yaml")]
+    runs = {}
+    for name, files in (("public", public), ("default", configs)):
+        sampler = PublicFormatSampler()
+        monkeypatch.setattr(ev, "load_model", lambda cfg: (sampler, TOK))
+        cfg = load_config(ev.EvalConfig, files, [f"benchmarks=[{bench}]", "samples=2", "tool_workers=1",
+                                                 f"out_dir={tmp_path / name}", "tool_backend=subprocess"])
+        runs[name] = (ev.run(cfg)["bench"], sampler.prompts, [json.loads(x) for x in (
+            tmp_path / name / "trajectories.jsonl").read_text().splitlines()])
+    metrics, prompts, records = runs["public"]
+    assert metrics["pass@1"] == 1.0 and metrics["tool_calls_mean"] == 1.0 and metrics["tool_error_rate"] == 0.0
+    call = records[0]["tool_calls"][0]
+    assert (call["status"], call["code"], call["stdin"]) == ("ok", "print(int(input()) * 4)", "3")
+    assert call["response"].startswith("Tool call success\nstdout: 12\n\nexecution time: ")
+    assert "This is the problem:\nProblem A.<|im_end|>" in prompts[0]
+    assert "</tool_call><|im_end|><|im_start|>user\n<tool_response>\nTool call success" in prompts[-1]
+    metrics, _, records = runs["default"]
+    assert metrics["pass@1"] == 0.0 and metrics["tool_error_rate"] == 1.0
+    assert records[0]["tool_calls"][0]["status"] == "parse_error"
+    assert "unknown tool 'python_code_with_standard_io'" in records[0]["tool_calls"][0]["response"]
 
 
 def test_vllm_sampler_is_built_with_the_config_and_a_valid_signature(tmp_path, monkeypatch):

@@ -1,6 +1,9 @@
 """train.py: the step's plumbing (data order, masks, exact normaliser), the entry point end to end with a scripted
 policy on the real tiny model, input errors, the dry-run plan, and the run-folder rules."""
 import json
+import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,7 +56,21 @@ def test_select_rollouts_off_keeps_everything_of_signal_groups():
     assert groups == [0] and kept == [[0, 1, 2, 3]]
 
 
-def kept_batch(tiny):
+def test_sampler_logprobs_sit_where_the_mask_is():
+    class T:
+        prompt_ids, response_ids, loss_mask, logprobs = [5, 6, 7], [8, 9, 10, 11], [1, 1, 0, 1], [-.1, -.2, 0.0, -.4]
+    class U:
+        prompt_ids, response_ids, loss_mask, logprobs = [5], [8], [1], [-.5]
+    batch = train.pad_batch([T(), U()], pad_id=0)
+    logp = train.sampler_logprobs([T(), U()], batch["loss_mask"].shape[1])
+    # row 1: targets 6 7 | 8 9 10 11 -> the sampler's numbers on 8, 9 and 11 (10 is tool text); row 2: padded
+    assert torch.allclose(logp, torch.tensor([[0, 0, -.1, -.2, 0, -.4], [-.5, 0, 0, 0, 0, 0]]))
+    assert torch.equal(logp != 0, batch["loss_mask"].bool())
+    U.logprobs = None
+    assert train.sampler_logprobs([T(), U()], 6) is None
+
+
+def kept_batch(tiny, logprob_shift=None):
     tok = AutoTokenizer.from_pretrained(tiny / "base")
     model = AutoModelForCausalLM.from_pretrained(tiny / "base")
     problems = [p["problem"] for p in say_problems(2) for _ in range(4)]
@@ -65,12 +82,13 @@ def kept_batch(tiny):
             f = Future()
             f.set_result(ToolResult("ok", code[6:-1] + "\n", "", 0.0))
             return f
-    trajs = rollout(problems, ScriptedSampler(model, tok), NoTool(), tok, chat_format("compact", ""), 96, 3)
+    trajs = rollout(problems, ScriptedSampler(model, tok, logprob_shift=logprob_shift), NoTool(), tok,
+                    chat_format("compact", ""), 96, 3)
     adv = [1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 0.0, 0.25]
     return tok, list(zip(trajs, adv))
 
 
-def updated_weights(tiny, kept, micro_batch_size):
+def updated_weights(tiny, kept, micro_batch_size, **cfg):
     from accelerate import Accelerator
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny / "base")
@@ -78,7 +96,7 @@ def updated_weights(tiny, kept, micro_batch_size):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
     acc = Accelerator(cpu=True)
     model, opt, sched = acc.prepare(model, opt, sched)
-    cfg = train.TrainConfig(micro_batch_size=micro_batch_size, grad_clip=1e9)
+    cfg = train.TrainConfig(micro_batch_size=micro_batch_size, grad_clip=1e9, **cfg)
     sums = train.update_policy(acc, model, opt, sched, kept, kept[0][0], cfg, pad_id=0)
     return torch.cat([p.detach().flatten() for p in model.parameters()]), sums
 
@@ -93,6 +111,72 @@ def test_update_is_the_same_whatever_the_micro_batch_size(tiny):
     assert (w1 - base).abs().max() > 1e-4  # the update did something
     torch.testing.assert_close(w1, w8, rtol=0, atol=1e-6)
     assert sums1["policy"][0] == pytest.approx(sums8["policy"][0], abs=1e-6)
+
+
+def test_update_measures_the_gap_to_the_sampler_on_the_kept_sampled_tokens(tiny):
+    """The scripted sampler reports its own model's log-probs (the trainer's weights) plus a known shift s, so
+    log pi_old - log pi_sampler = -s on every sampled token: the gap metrics have exact values, and any
+    misalignment of the sampler's numbers with the trainer's (a token off, tool text counted) would break them."""
+    s = 0.25
+    _, kept = kept_batch(tiny, logprob_shift=s)
+    _, sums = updated_weights(tiny, kept, 2)
+    gap = {k: total / count for k, (total, count) in sums.items() if k.startswith("mismatch/")}
+    assert sums["mismatch/k3_kl"][1] == sum(sum(t.loss_mask) for t, _ in kept)  # every kept sampled token, once
+    assert gap["mismatch/logp_abs_diff_mean"] == pytest.approx(s, abs=1e-5)
+    assert gap["mismatch/k3_kl"] == pytest.approx(math.expm1(-s) + s, abs=1e-5)  # (r - 1) - log r at r = e^-s
+    assert gap["mismatch/ratio_outside_frac"] == 0.0  # e^-0.25 = 0.78 lies in [1/2, 2]
+    longest = max(sum(t.loss_mask) for t, _ in kept)
+    assert gap["mismatch/seq_log_ratio_max"] == pytest.approx(s * longest, abs=1e-3)
+    # weights e^{-s n_i}: the ESS fraction by hand
+    w = torch.tensor([math.exp(-s * sum(t.loss_mask)) for t, _ in kept], dtype=torch.float64)
+    assert gap["mismatch/seq_ess_frac"] == pytest.approx(float(w.sum() ** 2 / (len(w) * (w ** 2).sum())), abs=1e-6)
+    _, kept0 = kept_batch(tiny, logprob_shift=0.0)  # an engine with the trainer's numbers: ~0 (fp32 rounding only)
+    _, sums0 = updated_weights(tiny, kept0, 2)
+    assert sums0["mismatch/logp_abs_diff_mean"][0] / sums0["mismatch/logp_abs_diff_mean"][1] < 1e-5
+    assert sums0["mismatch/seq_ess_frac"][0] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_corrections_change_the_update_as_their_formulas_say(tiny):
+    """On-policy, the first mini-batch's ratio is 1; with log pi_old - log pi_sampler = -s on every token, tis
+    weighs every token by min(e^-s, C) = e^-s, so the loss is e^-s times the uncorrected one; seq_mask with a band
+    that excludes e^-s drops every rollout (loss 0, no update). `off` ignores the sampler's numbers entirely."""
+    s = 0.25
+    _, kept = kept_batch(tiny, logprob_shift=s)
+    w_off, off = updated_weights(tiny, kept, 2)
+    _, tis = updated_weights(tiny, kept, 2, mismatch_correction="tis", mismatch_tis_cap=2.0)
+    assert tis["policy"][0] == pytest.approx(math.exp(-s) * off["policy"][0], rel=1e-5)
+    weight = tis["mismatch/correction_weight_mean"]  # what the correction did, logged
+    assert weight[0] / weight[1] == pytest.approx(math.exp(-s), rel=1e-5)
+    assert "mismatch/correction_weight_mean" not in off
+    w_mask, masked = updated_weights(tiny, kept, 2, mismatch_correction="seq_mask", mismatch_seq_low=0.9)
+    base = torch.cat([p.flatten() for p in AutoModelForCausalLM.from_pretrained(tiny / "base").parameters()])
+    assert masked["policy"][0] == 0.0 and torch.equal(w_mask, base)
+    assert masked["mismatch/correction_weight_mean"][0] == 0.0
+    _, kept_plain = kept_batch(tiny)  # the same rollouts from a sampler that gives no log-probs
+    w_plain, plain = updated_weights(tiny, kept_plain, 2)
+    assert torch.equal(w_plain, w_off) and plain["policy"] == off["policy"]  # bit for bit
+    assert not any(k.startswith("mismatch/") for k in plain)  # nothing to measure
+    with pytest.raises(SystemExit, match="mismatch_correction=tis needs the sampler's log-probs"):
+        updated_weights(tiny, kept_plain, 2, mismatch_correction="tis")
+
+
+def test_the_gap_bench_measures_a_known_shift_and_what_the_corrections_would_do(tiny):
+    """bench/mismatch.py's table on rollouts from an engine off by a known shift s per sampled token (log pi_old -
+    log pi_sampler = -s): mean and largest |delta| are s; tis caps a token only where r = e^-s exceeds its cap 2
+    (s = -1: every token, s = 0.25: none); seq_mask drops every rollout whose geometric mean e^-s leaves [0.999,
+    1.001] and none when s = 0."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import mismatch as bench
+    model = AutoModelForCausalLM.from_pretrained(tiny / "base")
+    cfg = train.TrainConfig()
+    for s, capped, dropped in [(0.25, 0.0, 1.0), (-1.0, 1.0, 1.0), (0.0, 0.0, 0.0)]:
+        _, kept = kept_batch(tiny, logprob_shift=s)
+        trajs = [t for t, _ in kept]
+        m = bench.gap(model, trajs, 1.0, cfg, pad_id=0, micro=3)  # 3 rows per forward: padding in play
+        assert m["tokens"] == sum(sum(t.loss_mask) for t in trajs) and m["rollouts"] == 8
+        assert m["logp_abs_diff_mean"] == pytest.approx(abs(s), abs=1e-5)
+        assert m["token_max"] == pytest.approx(abs(s), abs=1e-5)
+        assert m["tis_capped_frac"] == capped and m["seq_mask_dropped_frac"] == dropped, s
 
 
 def spy_forwards(monkeypatch):
@@ -144,16 +228,19 @@ def test_update_micro_batches_hold_sequences_of_similar_length(tiny, monkeypatch
 
 def test_train_entry_point_learns_on_scripted_rollouts(tiny, tmp_path, monkeypatch):
     made = []
-    monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: made.append(ScriptedSampler(model, tok))
-                        or made[-1])
+    monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: made.append(
+        ScriptedSampler(model, tok, logprob_shift=0.0)) or made[-1])  # the trainer's own numbers: no gap
     out = tmp_path / "run"
     train.main(args(tiny, out))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for key in ["rollout/reward_mean", "rollout/tool_error_rate_in_correct", "rollout/response_tokens_mean",
                 "rollout/truncated_frac", "roc/equal_group_frac", "rollout/tool_calls_mean", "loss/clip_frac_low",
-                "loss/clip_frac_high", "perf/tokens_per_s", "loss/policy", "loss/grad_norm"]:
+                "loss/clip_frac_high", "perf/tokens_per_s", "loss/policy", "loss/grad_norm",
+                "mismatch/logp_abs_diff_mean", "mismatch/k3_kl", "mismatch/ratio_outside_frac",
+                "mismatch/seq_log_ratio_max", "mismatch/seq_ess_frac"]:
         assert key in rows[0], key
+    assert rows[0]["mismatch/logp_abs_diff_mean"] < 1e-5 and rows[0]["mismatch/seq_ess_frac"] > 0.999
     assert 0.0 < rows[0]["rollout/reward_mean"] < 1.0  # the reward was computed, mixed within groups
     assert rows[0]["roc/equal_group_frac"] == 0.0 and rows[0]["rollout/tool_calls_mean"] > 0
     assert made[0].updates == 3  # the sampler got the weights at the start and after every update (checked)
@@ -165,6 +252,13 @@ def test_train_entry_point_learns_on_scripted_rollouts(tiny, tmp_path, monkeypat
     assert (out / "latest").read_text().strip() == "checkpoint-2"
     assert (out / "config.yaml").is_file() and (out / "curves.png").stat().st_size > 1000
     assert (out / "sandbox.txt").read_text().startswith("code tool sandbox: ")  # what model code could reach
+
+
+def test_the_step_line_shows_the_gap_when_it_is_large():
+    m = {"rollout/reward_mean": 0.5, "mismatch/logp_abs_diff_mean": 2e-6}
+    assert train.log_line(3, m) == "step    3 reward 0.5"
+    m["mismatch/logp_abs_diff_mean"] = 0.014
+    assert train.log_line(3, m) == "step    3 reward 0.5 gap 0.014"
 
 
 def test_a_sampler_left_with_old_weights_stops_the_run_after_the_first_step(tiny, tmp_path, monkeypatch):
@@ -202,6 +296,9 @@ def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkey
         train.main(args(tiny, out, "steps=2", "resume=never"))
     with pytest.raises(SystemExit, match=r"another config: steps: 1 -> 2\. .*resume_allow_changes=\[steps\]"):
         train.main(args(tiny, out, "steps=2"))  # more steps than the run was started with: said, not silent
+    with pytest.raises(SystemExit, match=r"another config: tool_name: 'execute_python_code_with_standard_io' -> "
+                                         r"'python_code_with_standard_io'\. "):
+        train.main(args(tiny, out, "steps=1", "tool_name=python_code_with_standard_io"))  # the chat format is the run's
     train.main(args(tiny, out, "steps=2", "resume_allow_changes=[steps]"))  # resume=auto continues at step 1
     assert "resumed from" in capsys.readouterr().out
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
@@ -217,6 +314,10 @@ def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkey
     (["rollouts_per_prompt=3", "group_size=4"], "group_size <= rollouts_per_prompt"),
     (["roc_mode=best"], "roc_mode must be"),
     (["tool_error_format=short"], "tool_error_format must be one of"),
+    (["mismatch_correction=is"], "mismatch_correction must be one of \\['off', 'tis', 'seq_mask'\\]"),
+    (["mismatch_seq_low=1.5"], "mismatch_seq_low must be a finite number > 0 and <= 1, got 1.5"),
+    (["tool_result_format=json"], "tool_result_format must be one of"),
+    (["user_template=plain"], "user_template must hold \\{problem\\} once"),
     (["group_sise=4"], "unknown config key 'group_sise'"),
     (["sampler=vllm", "vllm_tensor_parallel_size=2"], "vllm_tensor_parallel_size=2: only 1 is supported"),
     (["tool_backend=docker"], "config error: tool_backend must be one of auto, servers, subprocess, got 'docker'$"),

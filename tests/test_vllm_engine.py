@@ -8,7 +8,9 @@ which, and VLLMSampler puts it back; a test here checks that). Skipped where vLL
 RSTAR2_REQUIRE_VLLM=1 (CI sets it): then a missing engine is a failure.
 
 The model is the tiny Qwen3 of tiny_model.py, fine-tuned here for a few seconds on one scripted tool conversation,
-so that greedy decoding calls the real code tool, reads its answer and answers."""
+so that greedy decoding calls the real code tool, reads its answer and answers. The sampler-trainer gap is measured
+on it with an fp32 engine and a bf16 one, against the fp32 trainer."""
+import math
 import json
 import os
 import random
@@ -29,8 +31,11 @@ except ImportError as e:
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+import train  # noqa: E402
 from code_tool import CodeTool  # noqa: E402
 from data import write_jsonl  # noqa: E402
+from grpo_roc import (mismatch_sums, policy_loss, sequence_log_ratios, sequence_mask_weights,  # noqa: E402
+                      sequence_mismatch, truncated_is_weights)
 from protocol import IM_END, TOOL_NAME, chat_format  # noqa: E402
 from rollout import rollout  # noqa: E402
 from sampler import HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs  # noqa: E402
@@ -252,19 +257,124 @@ def train_args(tiny, data, out, *extra):
             "eval_data=null", "save_every=1", "lr=1e-2", "warmup_steps=1", *CLI, *extra]
 
 
-def test_train_py_runs_on_the_engine_and_hands_every_update_over(tiny, say_data, tmp_path):
+@pytest.fixture(scope="module")
+def product_data(tmp_path_factory):
+    """Products equal to 408, the answer the fine-tuned model gives most of the time at temperature 1 (about 4 in
+    5): groups of 8 rollouts are mixed, so RL steps keep rollouts and train on them."""
+    path = tmp_path_factory.mktemp("data") / "products.jsonl"
+    write_jsonl(path, [{"problem": f"Compute {a}*{b}.", "answer": "408"} for a, b in
+                       [(12, 34), (17, 24), (24, 17), (34, 12)]])
+    return path
+
+
+GROUPS = ["prompts_per_step=4", "rollouts_per_prompt=8", "group_size=4"]
+
+
+def test_train_py_runs_on_the_engine_and_hands_every_update_over(tiny, product_data, tmp_path):
     """Two steps with vLLM rollouts: the hand-off is checked at the start and after each step (a failure would stop
-    the run), the run ends with exit code 0 and nothing from vLLM's shutdown on stderr, and the model moved."""
+    the run), the run ends with exit code 0 and nothing from vLLM's shutdown on stderr, and the model moved. The
+    fp32 engine's gap to the fp32 trainer is rounding only."""
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable] + train_args(tiny, say_data, out), cwd=ROOT, env=ENV,
+    done = subprocess.run([sys.executable] + train_args(tiny, product_data, out, *GROUPS), cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Invalid process group" not in done.stderr and "Traceback" not in done.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["rollout/tool_calls_mean"] > 0 for r in rows)
+    assert all(r["roc/equal_group_frac"] < 1.0 for r in rows)  # rollouts kept and trained on, every step
+    assert all(r["mismatch/logp_abs_diff_mean"] <= FP32_GAP and r["mismatch/seq_ess_frac"] > 0.999 for r in rows)
     before = AutoModelForCausalLM.from_pretrained(tiny[0])
     after = AutoModelForCausalLM.from_pretrained(out / "model")
     assert any(not torch.equal(a, b) for a, b in zip(before.parameters(), after.parameters()))
+
+
+# ---------------------------------------------------------------------------------------------- the sampler-trainer gap
+# What the engine's dtype predicts. Rounding errors e_j in its logits (a few units of its roundoff u: bf16 keeps 8
+# significant bits, u = 2^-8 = 3.9e-3; fp32 24, u = 6e-8) move a token's log-prob by e_t - sum_j p_j e_j, which
+# vanishes as p_t -> 1: a token the policy is sure of barely moves. So the prediction is per unit of probability the
+# token leaves to the others: sum_t |log pi_old - log pi_sampler| / sum_t (1 - p_t) lies within [u / 4, 16 u]
+# (sampler.py's hand-off probe, mostly unlikely tokens, gives 3.6 u for bf16 on this model).
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
+FP32_GAP = 1e-5  # an fp32 engine's mean gap at most (sampler.py measured 8.5e-7): ~0
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(tiny):
+    sampler = VLLMSampler(str(tiny[0]), tiny[1], seed=0, **{**ENGINE, "dtype": "bfloat16"})
+    yield sampler
+    sampler.close()
+
+
+def engine_gap(engine, tiny):
+    """Rollouts sampled by `engine` at temperature 1 with the real tool, scored by the fp32 trainer as the update
+    does: (advantages, trainer log-probs, sampler log-probs, loss mask), the last three (n, L-1)."""
+    path, tok = tiny
+    engine.update_weights(AutoModelForCausalLM.from_pretrained(path))
+    with CodeTool(workers=1) as tool:
+        trajs = rollout([f"Compute {a}*{a + 23}." for a in range(11, 19)] * 2, engine, tool, tok, FMT,
+                        max_response_tokens=200, max_turns=3, temperature=1.0)
+    batch = train.pad_batch(trajs, tok.pad_token_id)
+    with torch.no_grad():
+        trainer = train.token_logprobs(AutoModelForCausalLM.from_pretrained(path), batch, 1.0)
+    adv = torch.linspace(-1.0, 1.0, len(trajs))
+    return adv, trainer, train.sampler_logprobs(trajs, batch["loss_mask"].shape[1]), batch["loss_mask"]
+
+
+def test_the_gap_is_the_engines_rounding_none_in_fp32_some_in_bf16(engine, bf16_engine, tiny):
+    gaps = {}
+    for eng in (engine, bf16_engine):
+        _, trainer, sampler, mask = engine_gap(eng, tiny)
+        sums = mismatch_sums(trainer, sampler, mask)
+        gaps[eng.dtype] = {k: total / count for k, (total, count) in sums.items()}
+        gaps[eng.dtype].update(sequence_mismatch(sequence_log_ratios(trainer, sampler, mask)))
+        # sum_t |gap_t| / sum_t (1 - p_t), p_t the trainer's probability of the sampled token
+        gaps[eng.dtype]["per_unit"] = sums["logp_abs_diff_mean"][0] / float(((1 - trainer.exp()) * mask).sum())
+        gaps[eng.dtype]["half_sq"] = float((((trainer - sampler) * mask) ** 2).sum()) / float(mask.sum()) / 2
+    fp32, bf16 = gaps[torch.float32], gaps[torch.bfloat16]
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    assert u / 4 <= bf16["per_unit"] <= 16 * u, bf16
+    assert fp32["logp_abs_diff_mean"] <= FP32_GAP and fp32["per_unit"] <= 16 * u / 1000, fp32
+    assert bf16["logp_abs_diff_mean"] > 30 * fp32["logp_abs_diff_mean"]
+    assert fp32["k3_kl"] < 1e-9 and fp32["seq_ess_frac"] > 0.9999 and fp32["ratio_outside_frac"] == 0.0
+    # k3 = (r - 1) - log r ~ (log r)^2 / 2 for small gaps
+    assert bf16["k3_kl"] == pytest.approx(bf16["half_sq"], rel=0.05) and bf16["k3_kl"] > 1000 * fp32["k3_kl"]
+    assert bf16["seq_log_ratio_max"] > 100 * fp32["seq_log_ratio_max"] and bf16["seq_ess_frac"] < 1.0
+
+
+def test_a_correction_changes_the_loss_exactly_as_its_formula_says_on_bf16_rollouts(bf16_engine, tiny):
+    """On-policy (the first mini-batch: logp = old) every kept token's loss is -A_i; tis multiplies it by
+    min(pi_old / pi_sampler, C), seq_mask keeps the rollouts whose geometric-mean ratio lies in the band. Both are
+    written out token by token here, in float64, from the engine's and the trainer's numbers."""
+    adv, trainer, sampler, mask = engine_gap(bf16_engine, tiny)
+    n = float(mask.sum())
+    off = policy_loss(trainer, trainer, adv, mask)[0].item()
+    tis = policy_loss(trainer, trainer, adv, mask, is_weights=truncated_is_weights(trainer, sampler, mask, 1.01))[0]
+    by_hand, log_g = 0.0, []
+    for i in range(mask.shape[0]):
+        logs = [float(trainer[i, t]) - float(sampler[i, t]) for t in range(mask.shape[1]) if mask[i, t]]
+        by_hand += sum(-float(adv[i]) * min(math.exp(x), 1.01) for x in logs)
+        log_g.append(sum(logs) / len(logs))
+    assert tis.item() == pytest.approx(by_hand / n, rel=1e-5) and tis.item() != pytest.approx(off, rel=1e-4)
+    m = sorted(abs(x) for x in log_g)[len(log_g) // 2]  # a band that keeps about half of the rollouts
+    masked = policy_loss(trainer, trainer, adv, mask,
+                         is_weights=sequence_mask_weights(trainer, sampler, mask, math.exp(-m), math.exp(m)))[0]
+    kept = [i for i, x in enumerate(log_g) if -m <= x <= m]
+    assert 0 < len(kept) < len(log_g)
+    assert masked.item() == pytest.approx(sum(-float(adv[i]) * float(mask[i].sum()) for i in kept) / n, rel=1e-5)
+
+
+def test_train_py_on_a_bf16_engine_logs_its_gap(tiny, product_data, tmp_path):
+    """One step of train.py with a bf16 engine against the fp32 trainer, tis on: metrics.jsonl carries the gap, far
+    above the fp32 engine's (the run above) and below bf16's 16 u."""
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable] + train_args(tiny, product_data, out, *GROUPS, "steps=1",
+                                                        "vllm_dtype=bfloat16", "mismatch_correction=tis"),
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert row["roc/equal_group_frac"] < 1.0  # some rollouts were kept: the gap is measured on them
+    assert 10 * FP32_GAP <= row["mismatch/logp_abs_diff_mean"] <= 16 * UNIT_ROUNDOFF[torch.bfloat16], row
+    assert row["mismatch/k3_kl"] > 0 and 0 < row["mismatch/seq_ess_frac"] < 1
 
 
 def test_train_py_stops_after_one_step_when_the_engine_skips_updates(tiny, say_data, tmp_path):
