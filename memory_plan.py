@@ -2,7 +2,9 @@
 sampler engine runs. `python train.py CONFIG dry_run=true world_size=64` prints both (memory_plan.py).
 
 Everything here is arithmetic on numbers (no torch, no model), so a 64-GPU plan can be checked on a laptop and each
-term checked by hand. GB = 10^9 bytes. The estimate follows what train.py does:
+term checked by hand. GB = 10^9 bytes. A GPU's memory is what its driver reports, which is what vLLM's share is taken
+of: an H200's "141 GB" is 143,771 MiB = 150.7 GB, an H100's "80 GB" 81,559 MiB = 85.5 GB. The estimate follows
+what train.py does:
 - the trainer keeps fp32 master weights (AdamW steps at lr 1e-6 are far below bf16's resolution, so train.py loads
   the policy in fp32 and `mixed_precision: bf16` computes in bf16): 4 B weights + 4 B gradients + 8 B AdamW moments
   per parameter, divided over the GPUs the policy is sharded over (FSDP);
@@ -18,11 +20,21 @@ term checked by hand. GB = 10^9 bytes. The estimate follows what train.py does:
   logprobs.py computes the sampled tokens' log-probs a chunk of positions at a time and writes the gradient into the
   logits themselves, plus two fp32 chunk temporaries (`logprob_chunk_bytes`, at most 134 MB whatever T);
   bench/logprob_memory.py measures each case against the direct log-softmax (14 B under FSDP2);
-- the sampler: a colocated vLLM engine takes `gpu_memory_utilization` of the GPU during rollouts (its bf16 weights,
-  ~2 GB of its own activations, the KV cache in what is left) and sleeps during the update (weights in CPU RAM, KV
-  cache dropped at sleep level 2; the hand-off loads every weight again); `HFSampler` under FSDP holds its own
-  bf16 copy and a KV buffer per slot.
-Not counted: the CUDA context and allocator fragmentation (a few GB), NCCL buffers, the code tool's processes.
+- the process itself, outside any of the above: the CUDA context and library workspaces (PROCESS_GB), and with more
+  than one rank NCCL's buffers (NCCL_GB);
+- the sampler. A colocated vLLM engine, by vLLM 0.33's rules (read from its source; `vllm_engine`): it takes
+  `gpu_memory_utilization` x the reported memory (`request_memory`, vllm/v1/worker/utils.py), refuses to start with
+  less than that free, and gives its KV cache what is left of that share after its weights, the peak of its
+  profile run (a forward of max_num_batched_tokens, the sampler on max_num_seqs rows) and its CUDA graphs
+  (`Worker.determine_available_memory`, vllm/v1/worker/gpu_worker.py). During the update it sleeps at level 2
+  (vllm/device_allocator/sleep_mode_backend.py, `CuMemBackend.suspend`): weights and KV cache discarded (level 1
+  would copy the weights to CPU RAM), its runtime buffers and CUDA-graph pool copied to CPU RAM, and what it
+  allocated outside its pools stays (VLLM_ASLEEP_GB). The hand-off then wakes the weights and loads every one
+  before the KV cache wakes, a lower peak than sampling. `HFSampler` under FSDP holds its own bf16 copy and a KV
+  buffer per slot; without FSDP it decodes with the trainer's own model.
+Not counted: allocator fragmentation (blocks that `torch.cuda.empty_cache()` cannot return because live tensors
+share them; sampler.release_cached_memory empties the cache before every wake-up, and bench/gpu_smoke.py measures
+what stays), the code tool's processes (CPU only).
 """
 import json
 from dataclasses import dataclass
@@ -33,7 +45,21 @@ MASTER_BYTES = 4            # fp32 master weights, gradients and AdamW moments (
 COMPUTE_BYTES = 2           # bf16: gathered weights, activations, the sampler's copy, the KV cache
 LOGITS_BYTES = {True: COMPUTE_BYTES, False: COMPUTE_BYTES + 4}  # by fsdp: bf16 logits, or + Accelerate's fp32 copy
 LOGPROB_CHUNK_ELEMENTS = 1 << 24  # logprobs.CHUNK_ELEMENTS: elements of one fp32 chunk temporary
-ENGINE_OVERHEAD_GB = 2.0    # vLLM's own activations and buffers inside its share (its profile run; an estimate)
+# The process, outside any budget (estimates): the CUDA context, cuBLAS and allocator workspaces of one process
+# (bench/gpu_smoke.py prints the measured figure), and NCCL's buffers when there is more than one rank: NCCL_BUFFSIZE
+# (4 MiB by NCCL's documentation) per channel and ring peer, up to 32 channels, for each of the trainer's
+# communicators (world, shard group, replica group): ~0.25 GB each.
+PROCESS_GB = 0.6
+NCCL_GB = 1.0
+# vLLM 0.33's engine defaults for the LLM class on GPUs of 70 GiB or more (H100, H200; vllm/engine/arg_utils.py,
+# EngineArgs._set_default_max_num_seqs_and_batched_tokens_args): its profile run forwards this many tokens and runs
+# the sampler on this many rows.
+VLLM_MAX_BATCHED_TOKENS = 16384
+VLLM_MAX_SEQS = 1024
+VLLM_SAMPLER_COPIES = 3     # fp32 (rows, V) logits in the profile's sampler run: logits, scaled, log-probs (estimate)
+VLLM_GRAPHS_GB = 1.0        # its CUDA-graph pool (estimate; vLLM measures it at start and logs the figure); 0 eager
+VLLM_ASLEEP_GB = 0.5        # kept while asleep: FlashInfer's 394 MiB workspace (VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE,
+                            # vllm/envs.py) and the model runner's persistent inputs, allocated outside the pools
 
 # The architecture fields of public checkpoints, as their config.json on the Hugging Face hub gives them
 # (Qwen/Qwen3-0.6B, Qwen/Qwen3-1.7B, Qwen/Qwen3-14B; the -Base checkpoints share the architecture; Qwen3 technical
@@ -97,17 +123,34 @@ class Shape:
         return self.layers * 2 * self.kv_heads * self.head_dim * COMPUTE_BYTES
 
 
+def vllm_engine(shape: Shape, *, fraction: float, gpu_gb: float, tp: int = 1, eager: bool = False,
+                max_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS, max_seqs: int = VLLM_MAX_SEQS) -> dict[str, float]:
+    """A colocated vLLM 0.33 engine's memory in GB, by its rules (the module docstring names their sources).
+    fraction: gpu_memory_utilization; gpu_gb: the GPU's memory as its driver reports it."""
+    budget = fraction * gpu_gb  # ceil(total x gpu_memory_utilization), checked against the free memory at start
+    weights = COMPUTE_BYTES * shape.params / tp / GB
+    # its profile run's transient peak: the MLP's fused gate/up output and their product for max_batched_tokens
+    # tokens (bf16), and the sampler's fp32 logits on max_seqs rows
+    profile = (max_batched_tokens * 3 * shape.intermediate * COMPUTE_BYTES
+               + VLLM_SAMPLER_COPIES * max_seqs * shape.vocab * MASTER_BYTES) / GB
+    graphs = 0.0 if eager else VLLM_GRAPHS_GB
+    kv = max(budget - weights - profile - graphs, 0.0)  # the KV cache: what the share leaves
+    return {"engine_budget": budget, "sampler_weights": weights, "engine_profile": profile, "engine_graphs": graphs,
+            "kv_cache": kv, "kv_cache_tokens": kv * GB / shape.kv_bytes_per_token, "engine_asleep": VLLM_ASLEEP_GB}
+
+
 def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, seq_tokens: int,
-                   gradient_checkpointing: bool, sampler: str, gpu_gb: float,
-                   engine_fraction: float = 0.5, engine_tp: int = 1, hf_slots: int = 0) -> dict[str, float]:
+                   gradient_checkpointing: bool, sampler: str, gpu_gb: float, world: int = 1,
+                   engine_fraction: float = 0.5, engine_tp: int = 1, engine_eager: bool = False,
+                   hf_slots: int = 0) -> dict[str, float]:
     """Estimated GB per GPU, by term, for one rank of a run (the module docstring says what each term counts).
 
-    shard: GPUs the policy's weights, gradients and AdamW state are divided over (1: not sharded).
-    micro_batch x seq_tokens: the sequences and their length (prompt + response) in one forward/backward.
-    sampler: "vllm" (a colocated engine taking engine_fraction of gpu_gb, weights over engine_tp GPUs) or "hf"
-    (HFSampler; under FSDP its own bf16 copy, and hf_slots KV rows of seq_tokens).
-    Returns the terms, `rollout_peak` (trainer state + sampler while sampling), `update_peak` (the policy update,
-    the engine asleep) and `kv_cache_tokens` (vLLM: tokens its KV cache holds; HF: slots x seq_tokens)."""
+    shard: GPUs the policy's weights, gradients and AdamW state are divided over (1: not sharded); world: ranks in
+    all (more than one: NCCL's buffers). micro_batch x seq_tokens: the sequences and their length (prompt +
+    response) in one forward/backward. sampler: "vllm" (a colocated engine taking engine_fraction of gpu_gb, weights
+    over engine_tp GPUs, `vllm_engine`), "hf" (HFSampler; under FSDP its own bf16 copy, and hf_slots KV rows of
+    seq_tokens) or "none" (SFT). Returns the terms, `rollout_peak` (trainer state + sampler while sampling),
+    `update_peak` (the policy update, the engine asleep) and `kv_cache_tokens` (tokens the KV cache holds)."""
     p, tokens = shape.params, micro_batch * seq_tokens
     m = {
         "weights": MASTER_BYTES * p / shard / GB,
@@ -117,23 +160,23 @@ def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, se
         "gathered": COMPUTE_BYTES * ((shape.embedding_params + 2 * shape.layer_params) if fsdp else p) / GB,
         "activations": activation_bytes(shape, tokens, gradient_checkpointing) / GB,
         "logits": (LOGITS_BYTES[fsdp] * tokens * shape.vocab + logprob_chunk_bytes(tokens, shape.vocab)) / GB,
+        "process": PROCESS_GB + (NCCL_GB if world > 1 else 0.0),
     }
     if sampler == "vllm":
-        m["sampler_weights"] = COMPUTE_BYTES * p / engine_tp / GB
-        m["kv_cache"] = max(engine_fraction * gpu_gb - m["sampler_weights"] - ENGINE_OVERHEAD_GB, 0.0)
-        m["sampler_other"] = ENGINE_OVERHEAD_GB
-        m["kv_cache_tokens"] = m["kv_cache"] * GB / shape.kv_bytes_per_token
-        asleep = 0.0  # asleep during the update: weights and KV cache dropped
+        m.update(vllm_engine(shape, fraction=engine_fraction, gpu_gb=gpu_gb, tp=engine_tp, eager=engine_eager))
+        m["sampler_other"] = m["engine_profile"] + m["engine_graphs"]
+        sampling, asleep = m["engine_budget"], m["engine_asleep"]  # the engine fills its share (the KV cache)
     else:
-        m["sampler_weights"] = COMPUTE_BYTES * p / GB if fsdp else 0.0  # unsharded: shares the trainer's model
-        m["kv_cache"] = hf_slots * seq_tokens * shape.kv_bytes_per_token / GB
+        # HFSampler: unsharded, it shares the trainer's model; "none": no sampler (SFT)
+        m["sampler_weights"] = COMPUTE_BYTES * p / GB if fsdp and sampler == "hf" else 0.0
+        m["kv_cache"] = hf_slots * seq_tokens * shape.kv_bytes_per_token / GB if sampler == "hf" else 0.0
         m["sampler_other"] = 0.0
-        m["kv_cache_tokens"] = hf_slots * seq_tokens
+        m["kv_cache_tokens"] = hf_slots * seq_tokens if sampler == "hf" else 0
+        sampling = m["sampler_weights"] + m["kv_cache"]
         asleep = m["sampler_weights"]  # HFSampler frees its KV buffers for the update; its copy stays
-    sampler_total = m["sampler_weights"] + m["kv_cache"] + m["sampler_other"]
-    m["rollout_peak"] = m["weights"] + m["adamw"] + sampler_total  # gradients are freed after each step
+    m["rollout_peak"] = m["weights"] + m["adamw"] + sampling + m["process"]  # gradients are freed after each step
     m["update_peak"] = (m["weights"] + m["grads"] + m["adamw"] + m["gathered"] + m["activations"] + m["logits"]
-                        + asleep)
+                        + asleep + m["process"])
     return m
 
 
@@ -190,24 +233,32 @@ def memory_lines(cfg, world: int) -> list[str]:
     shard, tokens = min(world, cfg.gpus_per_node), cfg.max_prompt_tokens + cfg.max_response_tokens
     m = memory_per_gpu(shape, shard=shard, fsdp=True, micro_batch=cfg.micro_batch_size, seq_tokens=tokens,
                        gradient_checkpointing=cfg.gradient_checkpointing, sampler=cfg.sampler,
-                       gpu_gb=cfg.gpu_memory_gb, engine_fraction=cfg.vllm_gpu_memory_utilization,
-                       engine_tp=cfg.vllm_tensor_parallel_size, hf_slots=cfg.rollout_batch_size)
+                       gpu_gb=cfg.gpu_memory_gb, world=world, engine_fraction=cfg.vllm_gpu_memory_utilization,
+                       engine_tp=cfg.vllm_tensor_parallel_size, engine_eager=cfg.vllm_enforce_eager,
+                       hf_slots=cfg.rollout_batch_size)
     gpu = cfg.gpu_memory_gb
 
     def fits(total: float) -> str:
         return f"{total:.1f} of {gpu:g} GB" + ("" if total <= gpu else "  OVER: does not fit")
+    if cfg.sampler == "vllm":
+        sampler = (f"engine {m['engine_budget']:.1f} ({cfg.vllm_gpu_memory_utilization:g} x {gpu:g}: weights "
+                   f"{m['sampler_weights']:.1f} + profile peak {m['engine_profile']:.1f} + CUDA graphs "
+                   f"{m['engine_graphs']:.1f} + KV cache {m['kv_cache']:.1f} = {m['kv_cache_tokens']:,.0f} tokens)")
+        asleep = f"engine asleep {m['engine_asleep']:.1f}"
+    else:
+        sampler = (f"sampler {m['sampler_weights']:.1f} weights + {m['kv_cache']:.1f} KV cache "
+                   f"({m['kv_cache_tokens']:,.0f} tokens)")
+        asleep = f"sampler copy {m['sampler_weights']:.1f}"
     return [
         f"model                  {name}: {shape.params / 1e9:.2f}B parameters, {shape.layers} layers, hidden "
         f"{shape.hidden}, vocab {shape.vocab:,}",
         f"memory per GPU (GB)    an estimate (memory_plan.py): FSDP over {shard} GPUs, fp32 master weights, "
         f"micro-batch {cfg.micro_batch_size} x {tokens:,} tokens, checkpointing {cfg.gradient_checkpointing}",
-        f"  while sampling       weights {m['weights']:.1f} + AdamW {m['adamw']:.1f} + sampler "
-        f"{m['sampler_weights']:.1f} weights + {m['kv_cache']:.1f} KV cache ({m['kv_cache_tokens']:,.0f} tokens) + "
-        f"{m['sampler_other']:.1f} = {fits(m['rollout_peak'])}",
+        f"  while sampling       weights {m['weights']:.1f} + AdamW {m['adamw']:.1f} + {sampler} + process "
+        f"{m['process']:.1f} = {fits(m['rollout_peak'])}",
         f"  while updating       weights {m['weights']:.1f} + gradients {m['grads']:.1f} + AdamW {m['adamw']:.1f} + "
-        f"gathered bf16 {m['gathered']:.1f} + activations {m['activations']:.1f} + logits {m['logits']:.1f}"
-        + (f" + sampler copy {m['sampler_weights']:.1f}" if cfg.sampler == "hf" else " (engine asleep)")
-        + f" = {fits(m['update_peak'])}",
+        f"gathered bf16 {m['gathered']:.1f} + activations {m['activations']:.1f} + logits {m['logits']:.1f} + "
+        f"{asleep} + process {m['process']:.1f} = {fits(m['update_peak'])}",
     ] + ([f"  KV CACHE TOO SMALL    {m['kv_cache_tokens']:,.0f} tokens hold less than one rollout of {tokens:,}: "
           "raise vllm_gpu_memory_utilization (the engine's share of the GPU)"]
          if m["kv_cache_tokens"] < tokens else [])

@@ -36,7 +36,9 @@ Two implementations:
 Left out: the report's KV-cache-aware balancing of requests across several engines (§3): each rank drives
 its own engine; tensor parallelism inside a training rank's engine (`VLLMSampler.update_weights` refuses it).
 """
+import gc
 import itertools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Protocol
@@ -178,13 +180,14 @@ def check_handoff(engine, trainer, tolerance: float, previous=None) -> str | Non
 # ============================================================================ vLLM
 VLLM_MIN_VERSION = (0, 16)  # LLM.collective_rpc("reload_weights", weights_iterator=...): in place, re-processed
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU build: KV-cache size when not given (its default is a share of host RAM)
-SLEEP_LEVEL = 2  # 2: weights and KV cache dropped (no CPU copy); right because update_weights loads every weight
+SLEEP_LEVEL = 2  # 2: weights and KV cache discarded (1 would copy the weights to CPU RAM); update_weights loads all
 
 
 class VLLMSampler:
     """Sampling with `vllm.LLM` in this process, colocated with the trainer (vLLM >= 0.16; GPU, or vLLM's CPU build).
 
-    Prompts go in as token ids ({"prompt_token_ids": ids}); each request has its own `max_tokens`; stops at
+    Prompts go in as token ids ({"prompt_token_ids": ids}; `add` passes the typed input vLLM's renderer makes of
+    it); each request has its own `max_tokens`; stops at
     <|im_end|> via `stop_token_ids` (the model's own EOS also stops, as in HFSampler); `logprobs=0` returns the
     sampled token's log-prob, with the engine built with `logprobs_mode="processed_logprobs"` so it is taken after
     temperature, as this module's contract says (vLLM's default "raw_logprobs" is before it). `generate` is
@@ -198,10 +201,20 @@ class VLLMSampler:
     instead would leave it half-updated). Then the prefix cache is dropped: it was computed with the old weights.
     `score` is vLLM's `prompt_logprobs` of the sequence.
 
-    Memory (GPU): with sleep mode, `sleep()` after a rollout drops the weights and the KV cache (level 2: nothing
-    is copied to CPU memory); `update_weights` empties torch's cache, wakes the weights, loads all of them, and wakes
-    the KV cache. Generating after `sleep()` without an update in between is refused (the weights are gone).
-    Platforms without sleep mode (vLLM's CPU build) keep everything resident and `sleep()` does nothing.
+    Memory (GPU; vLLM 0.33's rules from its source, memory_plan.py has the arithmetic): the engine takes
+    `gpu_memory_utilization` x the GPU's total memory as the driver reports it, and refuses to start with less than
+    that free (`request_memory`, vllm/v1/worker/utils.py); its KV cache is that share less its weights, its profile
+    run's peak and its CUDA graphs (`Worker.determine_available_memory`, vllm/v1/worker/gpu_worker.py). With sleep
+    mode, `sleep()` after a rollout uses level 2: the weights and the KV cache are discarded (level 1 would copy the
+    weights to CPU RAM; nothing needs them here, since `update_weights` loads every weight); at either level the
+    engine's runtime buffers and CUDA-graph pool are copied to CPU RAM (`CuMemBackend.suspend`,
+    vllm/device_allocator/sleep_mode_backend.py), and what it allocated outside its pools stays (communicators'
+    buffers, FlashInfer's workspace, the model runner's persistent inputs). `update_weights` hands torch's cached blocks back
+    to the driver (`release_cached_memory`), wakes the weights (the runtime and graph pools come back with them),
+    loads all of them, releases again and wakes the KV cache last: the lowest peak. Generating after `sleep()`
+    without an update in between is refused (the weights are gone). Platforms without sleep mode (vLLM's CPU build)
+    keep everything resident and `sleep()` does nothing. PYTORCH_CUDA_ALLOC_CONF is left alone: vLLM turns
+    expandable segments off itself while it allocates in its pools (`CuMemAllocator.use_memory_pool`).
 
     One engine per training rank: under `torchrun` / `accelerate launch` pass `distributed_executor_backend=
     "external_launcher"` and a per-rank seed (train.py does), and each rank's engine takes the rank's own device.
@@ -254,8 +267,13 @@ class VLLMSampler:
         self._ready()
         request_id = str(next(self._ids))
         self.keys[request_id] = key
-        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(prompt)},
-                                        self._params(max_new_tokens, temperature, top_p))
+        engine, prompt = self.llm.llm_engine, {"prompt_token_ids": list(prompt)}
+        # vLLM 0.32 and 0.33 want the typed input of their own renderer: a raw prompt dict is deprecated there (the
+        # engine renders it the same way, with a warning); older engines have no renderer and take the dict.
+        # `generate` goes through `LLM.generate`, which renders itself.
+        renderer = getattr(engine, "renderer", None)
+        request = renderer.render_cmpl([prompt])[0] if renderer is not None else prompt
+        engine.add_request(request_id, request, self._params(max_new_tokens, temperature, top_p))
 
     def step(self) -> list[tuple[object, Completion]]:
         """One engine step (`LLMEngine.step`); the requests it finished."""
@@ -299,8 +317,7 @@ class VLLMSampler:
         """Wake the given parts (vLLM's wake_up tags), skipping parts already awake."""
         todo = [t for t in tags if t in self.sleeping]
         if todo:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # the trainer's cached blocks go back first, or waking may run out
+            release_cached_memory()  # the trainer's cached blocks go back first, or waking may run out
             self.llm.wake_up(tags=todo)
             self.sleeping -= set(todo)
 
@@ -326,6 +343,31 @@ class VLLMSampler:
         self.llm.llm_engine.engine_core.shutdown()
 
 
+def release_cached_memory() -> None:
+    """Hand torch's cached, unused GPU blocks back to the driver, after the queued kernels finish and once Python
+    has dropped what only a reference cycle kept (verl empties the cache the same way before it wakes its engine's
+    KV cache). vLLM maps its sleeping pools back with the driver's own calls, which cannot reuse memory that torch
+    keeps cached; blocks shared with live tensors stay (fragmentation: bench/gpu_smoke.py measures what is left).
+    Nothing without a GPU."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+class QuietRotaryReload(logging.Filter):
+    """vLLM's layer-wise reload (0.32, 0.33) counts a rotary embedding's cos/sin cache, a buffer it computes and no
+    checkpoint holds, as a weight to load, and warns "RotaryEmbedding: Failed to load weights" on every reload
+    while keeping the cache as it is. This drops exactly that line; any other failed load is still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
 def build_engine(**kwargs):
     """`vllm.LLM(**kwargs)` in this process, with the process-wide state it changes put back (see VLLMSampler)."""
     if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
@@ -343,6 +385,9 @@ def build_engine(**kwargs):
     if current_platform.is_cpu() and "kv_cache_memory_bytes" not in kwargs \
             and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    reload_log = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, QuietRotaryReload) for f in reload_log.filters):
+        reload_log.addFilter(QuietRotaryReload())
     threads, set_threads, preload, rng = torch.get_num_threads(), torch.set_num_threads, \
         os.environ.get("LD_PRELOAD"), _rng_states()
     try:

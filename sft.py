@@ -54,10 +54,11 @@ from pathlib import Path
 import cpu_threads  # noqa: F401  (first: it sets OpenMP's wait policy, which is read when torch loads)
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
+import accel
 from checkpoint import (begin_run, input_dtype, latest_checkpoint, load_checkpoint, resume_point, run_identity,
                         save_checkpoint, save_model)
 from config import check_ranges, format_config, parse_cli, save_config, tracker_config
@@ -101,7 +102,8 @@ class SFTConfig:
     mixed_precision: str = "no"  # "no" or "bf16" (Accelerate autocast; the weights stay fp32 masters)
     gradient_checkpointing: bool = False  # recompute each layer in the backward: activations of one layer, not all
     log_every: int = 10  # optimizer steps between log lines
-    report_to: str | None = None  # None, "tensorboard" or "wandb"
+    report_to: str | None = None  # None, "tensorboard" or "wandb"; a tracker that cannot start stops the run
+    process_group_timeout_s: float = accel.PROCESS_GROUP_TIMEOUT_S  # NCCL watchdog: a collective waits this long
     max_steps: int | None = None  # stop after this many optimizer steps (tests, smoke runs)
     save_every: int = 0  # optimizer steps between checkpoints (0: none); a multiple of log_every
     keep_checkpoints: int = 2  # newest checkpoints kept in out_dir
@@ -114,7 +116,7 @@ class SFTConfig:
 # weights nor the logged numbers (trackers, checkpoint cadence). log_every is not free: it sets which steps' losses
 # each metrics line averages.
 RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "report_to", "save_every", "keep_checkpoints",
-               "torch_threads"}
+               "torch_threads", "process_group_timeout_s"}
 
 
 # Allowed values of the numeric fields (config.check_ranges), checked by `check_inputs` before any work.
@@ -123,7 +125,7 @@ RANGES = {
     "decay_ratio": "> 0 and <= 1", "max_seq_len": ">= 2", "weight_decay": ">= 0", "adam_beta1": ">= 0 and < 1",
     "adam_beta2": ">= 0 and < 1",
     "grad_clip": "> 0", "seed": ">= 0 and <= 4294967295", "log_every": ">= 1", "max_steps": ">= 1",
-    "save_every": ">= 0", "keep_checkpoints": ">= 1", "torch_threads": ">= 0",
+    "save_every": ">= 0", "keep_checkpoints": ">= 1", "torch_threads": ">= 0", "process_group_timeout_s": "> 0",
 }
 
 
@@ -254,17 +256,15 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, decay_ratio: float
 
 # ----------------------------------------------------------------------------------- plumbing (ranks live here)
 def make_accelerator(cfg: SFTConfig) -> tuple[Accelerator, int]:
-    """The Accelerator and grad_accum so that micro_batch_size * grad_accum * world_size == batch_size."""
-    # cpu=True without a GPU: the only way Accelerate sets up gloo across CPU processes (torchrun, accelerate launch)
-    cpu = not torch.cuda.is_available()
-    world = PartialState(cpu=cpu).num_processes
-    per_step = cfg.micro_batch_size * world
+    """The Accelerator (accel.py: trackers, process-group timeout, FSDP2 policy) and grad_accum so that
+    micro_batch_size * grad_accum * world_size == batch_size."""
+    acc = accel.make_accelerator(mixed_precision=cfg.mixed_precision, report_to=cfg.report_to, out_dir=cfg.out_dir,
+                                 timeout_s=cfg.process_group_timeout_s)
+    per_step = cfg.micro_batch_size * acc.num_processes
     if cfg.batch_size % per_step:
         raise SystemExit(f"sft: batch_size={cfg.batch_size} is not a multiple of micro_batch_size * world_size "
-                         f"= {cfg.micro_batch_size} * {world}")
-    grad_accum = cfg.batch_size // per_step
-    acc = Accelerator(cpu=cpu, gradient_accumulation_steps=grad_accum, mixed_precision=cfg.mixed_precision,
-                      log_with=cfg.report_to if cfg.report_to else None, project_dir=cfg.out_dir)
+                         f"= {cfg.micro_batch_size} * {acc.num_processes}")
+    acc.gradient_accumulation_steps = grad_accum = cfg.batch_size // per_step
     if cfg.report_to:
         acc.init_trackers("sft", config=tracker_config(cfg))
     return acc, grad_accum

@@ -47,8 +47,8 @@ assert set(string.printable) - set(CHARS) <= {"\r", "\x0b", "\x0c"}
 
 def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     """The character-level tokenizer. Ids: pad 0, unk 1, the protocol markers, then the characters; with
-    `vocab_size`, unused tokens <|unused0|>, ... fill the vocabulary up to that size (bench/gpu_smoke.py gives a
-    random model a real model's vocabulary; text never encodes to them, but a random model samples them)."""
+    `vocab_size`, unused tokens <|unused0|>, ... fill the vocabulary up to that size (a random model of a real
+    model's vocabulary size; text never encodes to them, but a random model samples them)."""
     markers = [PAD, UNK] + list(SPECIAL_TOKENS) + PHRASES
     fillers = [f"<|unused{i}|>" for i in range(max((vocab_size or 0) - len(markers) - len(CHARS), 0))]
     vocab = {tok: i for i, tok in enumerate(markers + CHARS + fillers)}

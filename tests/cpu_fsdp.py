@@ -3,8 +3,8 @@ without a GPU) Accelerate 1.15 sets up gloo and then picks DDP (MULTI_CPU), what
 torch's FSDP2 itself shards and gathers over gloo.
 
 `enable()` replaces `accelerate.Accelerator` with a subclass that, once gloo is up, switches Accelerate's state to
-FSDP with the plugin `accelerate launch` builds from the config file (its FSDP_* variables), and sets its mixed
-precision as AcceleratorState does on GPUs (bf16 parameters in the forward and backward). Accelerate's own FSDP2
+FSDP with the plugin the caller passed (accel.fsdp_plugin), or else the one `accelerate launch` builds from the config
+file (its FSDP_* variables), and sets its mixed precision as AcceleratorState does on GPUs (bf16 parameters in the forward and backward). Accelerate's own FSDP2
 code then runs on CPU processes: `fully_shard` of each decoder layer at `prepare`, rank 0's weights broadcast to the
 others (low-memory loading), sharded checkpoints, the full state dict for saving. It writes Accelerate's shared
 state: a newer Accelerate may need a change here, which the tests using it would show by failing.
@@ -25,7 +25,8 @@ def enable() -> None:
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if self.distributed_type == DistributedType.MULTI_CPU:
-                plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables of `accelerate launch`
+                # the caller's plugin, else one from the FSDP_* variables of `accelerate launch`
+                plugin = kwargs.get("fsdp_plugin") or FullyShardedDataParallelPlugin()
                 if self.state.mixed_precision != "no":  # AcceleratorState's step on GPUs (it keeps a set policy)
                     plugin.set_mixed_precision(self.state.mixed_precision)
                 for shared in (PartialState._shared_state, AcceleratorState._shared_state):

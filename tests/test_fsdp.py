@@ -130,6 +130,20 @@ def test_the_loader_refuses_a_shard_or_a_missing_weight(tiny):
         assert torch.equal(tensor, weights[name]), name
 
 
+def test_gathered_weights_send_a_tied_weight_under_each_name_in_the_sampler_s_dtype(tiny):
+    """Every state_dict key once (the tied output layer too, which vLLM's reload loads by that name), floats cast to
+    the sampler's dtype before the (FSDP) gather; None keeps them as stored."""
+    from train import gathered_weights
+    model = AutoModelForCausalLM.from_pretrained(tiny / "base")
+    sent = list(gathered_weights(model, "cpu", torch.bfloat16))
+    names = [name for name, _ in sent]
+    assert sorted(names) == sorted(model.state_dict()) and len(names) == len(set(names))
+    weights = dict(sent)
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert torch.equal(weights["lm_head.weight"], model.model.embed_tokens.weight.to(torch.bfloat16))
+    assert {t.dtype for _, t in gathered_weights(model, "cpu")} == {torch.float32}
+
+
 def test_sft_under_fsdp_saves_the_whole_model_of_one_process(tiny, tmp_path):
     """sft.py's save under FSDP2 (it wrote DTensor shards through save_pretrained and failed): two ranks with
     micro-batch 4 match one rank accumulating two micro-batches (as tests/test_sft.py checks for DDP)."""

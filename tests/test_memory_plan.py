@@ -38,11 +38,12 @@ def test_memory_terms_by_hand():
         "logits": 2 * 5 * 10 + 2 * 4 * 5 * 10,           # FSDP2's bf16 logits; one fp32 chunk (all 5 tokens) x 2
         "sampler_weights": 2 * 396,                       # HFSampler's own bf16 copy under FSDP
         "kv_cache": 3 * 5 * (2 * 2 * 1 * 2 * 2),          # slots x tokens x (layers, K and V, kv heads, head dim, bf16)
+        "process": 0.6e9,                                 # one process: the CUDA context (no NCCL)
     }
     for key, value in expected.items():
         assert m[key] == pytest.approx(value), key
-    assert m["rollout_peak"] == pytest.approx(792 + 1584 + 792 + 240)
-    assert m["update_peak"] == pytest.approx(792 + 792 + 1584 + 784 + 1680 + 500 + 792)
+    assert m["rollout_peak"] == pytest.approx(792 + 1584 + 792 + 240 + 0.6e9)
+    assert m["update_peak"] == pytest.approx(792 + 792 + 1584 + 784 + 1680 + 500 + 792 + 0.6e9)
 
 
 def test_the_logits_term_counts_one_chunk_of_logprobs_py():
@@ -59,15 +60,45 @@ def test_the_logits_term_counts_one_chunk_of_logprobs_py():
     assert ddp == pytest.approx(6 * 12_288 * 151_936 + chunk)  # + the fp32 copy of Accelerate's autocast
 
 
-def test_vllm_engine_share_holds_its_weights_then_the_kv_cache():
+def test_qwen3_0_6b_on_one_h200_by_vllm_s_rules():
+    """configs/qwen3-0.6b/stage1.yaml on one H200 (150.7 GB as its driver reports it), vLLM at 0.5, by hand: the
+    engine takes 0.5 x 150.7 GB whatever the trainer holds, and its KV cache gets that share less its bf16 weights,
+    its profile run (16,384 tokens through the MLP, the sampler on 1,024 rows) and its CUDA graphs."""
+    P = 596_049_920  # Qwen3-0.6B: 28 x 15,730,944 + 151,936 x 1,024 (tied) + 1,024
+    m = memory_per_gpu(Shape.from_config(PUBLIC_CONFIGS["qwen3-0.6b"]), shard=1, fsdp=True, micro_batch=2,
+                       seq_tokens=6_144, gradient_checkpointing=True, sampler="vllm", gpu_gb=150.7, world=1,
+                       engine_fraction=0.5)
+    profile = (16_384 * 3 * 3_072 * 2 + 3 * 1_024 * 151_936 * 4) / 1e9  # 0.30 GB MLP + 1.87 GB sampler logits
+    kv = 75.35 - 2 * P / 1e9 - profile - 1.0
+    assert m["engine_budget"] == pytest.approx(75.35) and m["sampler_weights"] == pytest.approx(1.19209984)
+    assert m["engine_profile"] == pytest.approx(profile) and m["kv_cache"] == pytest.approx(kv)
+    assert m["kv_cache_tokens"] == pytest.approx(kv * 1e9 / (28 * 2 * 8 * 128 * 2))  # 114,688 B per token
+    assert round(m["kv_cache_tokens"]) == 618_974
+    assert m["rollout_peak"] == pytest.approx(12 * P / 1e9 + 75.35 + 0.6)  # fp32 weights + AdamW + engine + CUDA
+    assert m["update_peak"] == pytest.approx(16 * P / 1e9 + m["gathered"] + m["activations"]
+                                             + (2 * 12_288 * 151_936 + logprob_chunk_bytes(12_288, 151_936)) / 1e9  # bf16 logits, 2 chunks
+                                             + 0.5 + 0.6)  # engine asleep: 0.5 GB
+
+
+def test_qwen3_14b_on_64_gpus_by_vllm_s_rules():
+    """Stage 2-3 of the report's recipe (14,336 tokens a sequence), 8 nodes of 8 H200s: FSDP within a node, NCCL
+    buffers, the engine's bf16 weights (29.5 GB) inside its 75.35 GB; and the same on 80 GB GPUs (85.5 GB)."""
+    P = 14_768_307_200
     shape = Shape.from_config(PUBLIC_CONFIGS["qwen3-14b"])
-    m = memory_per_gpu(shape, shard=8, fsdp=True, micro_batch=1, seq_tokens=10_240, gradient_checkpointing=True,
-                       sampler="vllm", gpu_gb=141.0, engine_fraction=0.5)
-    assert m["sampler_weights"] == pytest.approx(2 * 14_768_307_200 / 1e9)
-    assert m["sampler_weights"] + m["kv_cache"] + m["sampler_other"] == pytest.approx(0.5 * 141.0)
-    assert m["kv_cache_tokens"] == pytest.approx(m["kv_cache"] * 1e9 / 163_840)
-    assert m["weights"] + m["grads"] + m["adamw"] == pytest.approx(16 * 14_768_307_200 / 8 / 1e9)
-    assert m["update_peak"] < m["rollout_peak"] < 141.0  # the engine sleeps during the update
+    plan = dict(shard=8, fsdp=True, micro_batch=1, seq_tokens=14_336, gradient_checkpointing=True, sampler="vllm",
+                world=64, engine_fraction=0.5)
+    m = memory_per_gpu(shape, gpu_gb=150.7, **plan)
+    profile = (16_384 * 3 * 17_408 * 2 + 3 * 1_024 * 151_936 * 4) / 1e9  # 1.71 GB MLP + 1.87 GB sampler logits
+    assert m["sampler_weights"] == pytest.approx(2 * P / 1e9) and m["engine_profile"] == pytest.approx(profile)
+    assert m["kv_cache"] == pytest.approx(75.35 - 29.5366144 - profile - 1.0)
+    assert round(m["kv_cache_tokens"]) == 251_679  # 163,840 B per token: ~17 rollouts of 14,336 tokens at once
+    assert m["process"] == pytest.approx(0.6 + 1.0)  # the CUDA context and NCCL's buffers
+    assert m["rollout_peak"] == pytest.approx(12 * P / 8 / 1e9 + 75.35 + 1.6)
+    assert m["update_peak"] < m["rollout_peak"] < 150.7
+    small = memory_per_gpu(shape, gpu_gb=85.5, **plan)  # H100 80GB: 81,559 MiB
+    assert small["kv_cache"] == pytest.approx(0.5 * 85.5 - 29.5366144 - profile - 1.0)
+    assert round(small["kv_cache_tokens"]) == 52_705 < 4 * 14_336  # under 4 full rollouts at a time
+    assert small["update_peak"] < small["rollout_peak"] < 85.5 < small["rollout_peak"] + 20  # 19 GB to spare
 
 
 def test_each_rank_has_its_own_device_on_its_node_and_its_own_seed():
@@ -82,8 +113,9 @@ def test_dry_run_prints_engines_and_memory_for_64_gpus(capsys):
     out = capsys.readouterr().out
     assert "rank 63: node 7 cuda:7 seed 63" in out and "TP 1" in out
     assert "14.77B parameters" in out and "FSDP over 8 GPUs" in out
-    assert "= 92.7 of 141 GB" in out and "logits 3.2 (engine asleep) = 46.8 of 141 GB" in out and "OVER" not in out
+    assert "engine 75.3 (0.5 x 150.7: weights 29.5" in out and "= 251,679 tokens)" in out
+    assert "= 99.1 of 150.7 GB" in out and "= 48.9 of 150.7 GB" in out and "OVER" not in out
     train.main(["configs/qwen3-14b/stage1.yaml", "dry_run=true", "world_size=64", "gpu_memory_gb=40"])
     out = capsys.readouterr().out
-    assert "= 46.8 of 40 GB  OVER: does not fit" in out  # the update
-    assert "KV CACHE TOO SMALL" in out  # half of 40 GB cannot hold the engine's 29.5 GB of weights
+    assert "= 48.9 of 40 GB  OVER: does not fit" in out  # the update
+    assert "KV CACHE TOO SMALL" in out  # half of 40 GB does not even hold the engine's 29.5 GB of weights

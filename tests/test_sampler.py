@@ -402,6 +402,8 @@ class FakeEngine:
     def __init__(self, llm, sleep_mode):
         self.llm, self.requests = llm, {}
         self.model_config = types.SimpleNamespace(dtype=torch.bfloat16, enable_sleep_mode=sleep_mode)
+        # vLLM's renderer: a token prompt becomes the typed input add_request wants (type "token")
+        self.renderer = types.SimpleNamespace(render_cmpl=lambda prompts: [{"type": "token", **p} for p in prompts])
 
     def add_request(self, request_id, prompt, params):
         self.llm.log.append(("add_request", request_id, prompt, params))
@@ -519,7 +521,8 @@ def test_vllm_sampler_add_and_step_go_to_the_engine(fake_vllm):
         sampler.sleep()
     llm = FakeLLM.instances[-1]
     (_, rid, prompt, params), = [e for e in llm.log if e[0] == "add_request" and e[1] == "0"]
-    assert prompt == {"prompt_token_ids": [1, 2, 3, 4]} and params.max_tokens == 10 and params.temperature == 0.5
+    assert prompt == {"type": "token", "prompt_token_ids": [1, 2, 3, 4]}  # typed, as vLLM >= 0.32 wants
+    assert params.max_tokens == 10 and params.temperature == 0.5
     finished = []
     while sampler.has_work():
         finished += sampler.step()
@@ -536,3 +539,18 @@ def test_sampler_module_does_not_import_vllm_at_load():
     top_level = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
     names = [a.name for node in top_level for a in node.names] + [getattr(n, "module", None) or "" for n in top_level]
     assert not any(name.split(".")[0] == "vllm" for name in names)
+
+
+def test_the_reload_log_drops_only_the_rotary_cache_s_failed_load():
+    """vLLM warns "<layer>: Failed to load weights" for every layer its reload left untouched; the rotary cache is
+    in no checkpoint (always untouched, kept as is), any other layer is a real problem and stays in the log."""
+    import logging
+    from sampler import QuietRotaryReload
+
+    def record(layer):
+        return logging.LogRecord("vllm", logging.WARNING, "layerwise.py", 266, "%s: Failed to load weights",
+                                 (layer,), None)
+
+    quiet = QuietRotaryReload()
+    assert not quiet.filter(record("RotaryEmbedding"))
+    assert quiet.filter(record("ParallelLMHead")) and quiet.filter(record("QKVParallelLinear"))

@@ -140,10 +140,13 @@ def test_add_and_step_return_each_request_once_with_its_key(engine, tiny, monkey
     """Keys come back with their completions; the engine reports a request only when it is finished (no
     cumulative outputs of the running ones at every step)."""
     ps = prompts(tiny[1], 3)
+    added, real_add = [], engine.llm.llm_engine.add_request
+    monkeypatch.setattr(engine.llm.llm_engine, "add_request", lambda *a, **k: added.append(a) or real_add(*a, **k))
     for key, p, budget in zip(["a", ("b", 1), 7], ps, [30, 5, 12]):
         engine.add(key, p, budget, temperature=1.0)
     reported, real_step = [], engine.llm.llm_engine.step
     monkeypatch.setattr(engine.llm.llm_engine, "step", lambda: reported.append(real_step()) or reported[-1])
+    assert all(r[1]["type"] == "token" for r in added)  # typed inputs: no deprecated raw prompt dict
     finished, steps = [], 0
     while engine.has_work():
         finished += engine.step()
@@ -195,6 +198,28 @@ def test_an_update_takes_effect_and_the_old_weights_bring_it_back(engine, tiny):
                                rtol=0, atol=1e-4)
     engine.update_weights(base)  # every weight of the checkpoint again, linear layers (repacked) included
     torch.testing.assert_close(torch.tensor(engine.score(probe)), before, rtol=0, atol=1e-5)
+
+
+def test_a_tied_output_layer_arrives_under_its_own_name_and_loads_without_a_failure(engine, tiny, caplog):
+    """The tiny model ties lm_head to the embeddings, as Qwen3-0.6B does. Sent once (named_parameters skips the
+    duplicate), vLLM's layer-wise reload finds nothing for its output layer and logs a failed load on every
+    hand-off; train.gathered_weights sends it under both names, and the engine holds the new weights. The rotary
+    cache's own warning (no checkpoint has it) is filtered (sampler.QuietRotaryReload)."""
+    import train
+    path, tok = tiny
+    probe = prompts(tok, 1)[0]
+    new = stepped(path, lr=1e-2)
+    with caplog.at_level("WARNING"):
+        engine.update_weights(new.named_parameters())  # what the hand-off sent before: lm_head.weight missing
+    assert "ParallelLMHead: Failed to load weights" in caplog.text
+    caplog.clear()
+    sent = dict(train.gathered_weights(new, "cpu", engine.dtype))
+    assert torch.equal(sent["lm_head.weight"], sent["model.embed_tokens.weight"])
+    with caplog.at_level("WARNING"):
+        engine.update_weights(train.gathered_weights(new, "cpu", engine.dtype))
+    assert "Failed to load weights" not in caplog.text  # neither the output layer nor the rotary cache
+    torch.testing.assert_close(torch.tensor(engine.score(probe)), sequence_logprobs(new, probe), rtol=0, atol=1e-4)
+    engine.update_weights(AutoModelForCausalLM.from_pretrained(path))
 
 
 @pytest.mark.parametrize("lr", [2e-4, 1e-6])

@@ -1,0 +1,90 @@
+"""The Accelerator that sft.py and train.py build, with the three settings a GPU run depends on and Accelerate
+leaves to the caller.
+
+1. The process-group timeout (`process_group_timeout_s` in both configs). torch's default for NCCL is 10 minutes,
+   after which the watchdog kills a rank stuck in a collective. In train.py the fast ranks wait in the update's first
+   collective while the slowest rank finishes its rollouts, and every rank waits while checkpoints and the final
+   model are written. The default, 2 hours, is sized for the report's stages 2-3 at 64 GPUs: the slowest rank's 256
+   rollouts (8 prompts x 2G = 32) can all run to the 12,288-token budget, 3.1M tokens; a colocated 14B engine on an
+   H200 holds ~250K tokens of KV cache (memory_plan.py), ~18 such rollouts at once, and each decode step reads its
+   weights and that cache (~70 GB at ~4.8 TB/s, ~15 ms) for ~18 tokens: ~1,200 tokens/s, ~45 minutes, plus the
+   tool calls. Writing a 14B checkpoint adds minutes (the gathered model alone is 30-60 GB). Twice that worst case
+   leaves room; a real hang still stops the run, after 2 hours instead of 10 minutes.
+2. FSDP2's mixed-precision policy: parameters gathered in bf16 for compute, gradients reduce-scattered in fp32.
+   From `mixed_precision: bf16` Accelerate 1.15 builds `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16,
+   output_dtype=bf16)` (`FullyShardedDataParallelPlugin.set_mixed_precision`, called from `AcceleratorState`), so
+   each gradient would be rounded to bf16's 8 mantissa bits before it is summed over ranks and added to the fp32
+   shard. train.py reduce-scatters every micro-batch (about 128 per 14B step) and SFT every accumulation step,
+   so those roundings add up; verl's FSDP workers reduce in fp32 by default. A policy set on the plugin is kept by
+   Accelerate as it is, which is what `fsdp_plugin` does (`REDUCE_DTYPE`).
+3. Trackers: Accelerate drops a `log_with` tracker whose package is not installed with a debug message only, so
+   `report_to: tensorboard` without tensorboard would run without its curves. `check_tracker` stops the run first,
+   with one line.
+
+Plain `python sft.py` / `train.py` on one process builds the same Accelerator; the policy applies only under an FSDP
+launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tests/cpu_fsdp.py on CPU processes).
+"""
+import os
+from datetime import timedelta
+
+import torch
+
+PROCESS_GROUP_TIMEOUT_S = 7200  # the configs' default (point 1 above)
+REDUCE_DTYPE = torch.float32    # FSDP2 reduce-scatters gradients in this dtype under mixed_precision=bf16
+MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}  # the values the configs accept -> compute dtype
+
+
+def check_tracker(report_to: str | None) -> None:
+    """Stop with one line when `report_to` names a tracker that cannot start here (unknown, or not installed)."""
+    if not report_to:
+        return
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+    if report_to not in LOGGER_TYPE_TO_CLASS:
+        raise SystemExit(f"config error: report_to={report_to!r} is not a tracker Accelerate knows "
+                         f"({', '.join(sorted(LOGGER_TYPE_TO_CLASS))}); report_to=null logs to metrics.jsonl only")
+    if report_to not in {str(t) for t in get_available_trackers()}:
+        hint = "pip install -e '.[tensorboard]'" if report_to == "tensorboard" else f"pip install {report_to}"
+        raise SystemExit(f"config error: report_to={report_to} but its package is not installed ({hint}, or "
+                         "report_to=null to log to metrics.jsonl only)")
+
+
+def fsdp_plugin(mixed_precision: str):
+    """The FSDP plugin for an FSDP launch (None otherwise): the one Accelerate would build from the launch's FSDP_*
+    variables, with gradients reduced in REDUCE_DTYPE when computing in bf16 (FSDP2; FSDP1 keeps Accelerate's)."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    plugin = FullyShardedDataParallelPlugin()
+    compute = MIXED_PRECISION.get(mixed_precision)
+    if compute is not None and plugin.fsdp_version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=REDUCE_DTYPE,
+                                                             output_dtype=compute)
+    return plugin
+
+
+def make_accelerator(*, mixed_precision: str, report_to: str | None, out_dir: str, timeout_s: float,
+                     gradient_accumulation_steps: int = 1):
+    """The Accelerator of an entry point: trackers checked, the process group's timeout, the FSDP2 policy. On a
+    machine without a GPU it runs on the CPU (cpu=True: the only way Accelerate sets up gloo across CPU processes)."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+    check_tracker(report_to)
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision,
+                       gradient_accumulation_steps=gradient_accumulation_steps, log_with=report_to or None,
+                       project_dir=out_dir, fsdp_plugin=fsdp_plugin(mixed_precision),
+                       kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))])
+
+
+def mixed_precision_policy(model) -> dict[str, tuple]:
+    """{module name: (param_dtype, reduce_dtype)} of each FSDP2 parameter group of a prepared model ({} without
+    FSDP2): what the sharded modules really use, read from torch's FSDP state (no public getter; torch 2.11-2.13)."""
+    from torch.distributed.fsdp import FSDPModule
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+            for group in filter(None, groups):
+                out[name or "(root)"] = (group.mp_policy.param_dtype, group.mp_policy.reduce_dtype)
+    return out

@@ -1,0 +1,113 @@
+"""accel.py, the Accelerator both entry points build: the process group's timeout reaches the group, the prepared
+model's FSDP2 policy reduces gradients in fp32 (over gloo on 2 CPU processes, with tests/cpu_fsdp.py), and a
+configured tracker that cannot start stops the run with one line before any work."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import accel
+import sft
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "run_accel.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def launch(config: str, mode: str, out: Path, port: int, extra_env: dict | None = None, mixed: str = "bf16"):
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / config),
+               "--num_processes", "2", "--mixed_precision", mixed, "--main_process_port", str(port)]
+    if extra_env:
+        command.append(str(ROOT / "tests" / "cpu_fsdp.py"))
+    done = subprocess.run(command + [str(SCRIPT), mode, str(out)], cwd=ROOT, env={**ENV, **(extra_env or {})},
+                          capture_output=True, text=True, timeout=300)
+    return done, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1) if (out / f"rank{r}.json").exists()]
+
+
+def test_the_prepared_model_gathers_in_bf16_and_reduces_gradients_in_fp32(tmp_path):
+    done, ranks = launch("configs/accelerate/fsdp_1node_8gpu.yaml", "policy", tmp_path, 29651, {"CPU_FSDP": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in ranks:
+        assert rank["distributed_type"] == "DistributedType.FSDP"
+        assert {"model.layers.0", "model.layers.1", "lm_head"} <= set(rank["policy"])  # each its own FSDP2 group
+        assert set(map(tuple, rank["policy"].values())) == {("torch.bfloat16", "torch.float32")}
+        assert rank["params"] == rank["grads"] == ["torch.float32"]  # fp32 masters and their sharded gradients
+
+
+def test_accelerate_s_own_policy_would_reduce_in_bf16(tmp_path):
+    """The contrast: the Accelerator train.py and sft.py built before accel.py (Accelerate's policy from
+    mixed_precision=bf16) reduce-scatters gradients in bf16."""
+    done, ranks = launch("configs/accelerate/fsdp_1node_8gpu.yaml", "default-policy", tmp_path, 29652,
+                         {"CPU_FSDP": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {tuple(v) for r in ranks for v in r["policy"].values()} == {("torch.bfloat16", "torch.bfloat16")}
+
+
+def test_the_timeout_reaches_the_process_group(tmp_path):
+    """timeout_s=3: rank 0 gives up on a collective rank 1 joins 20 s late, after about 3 s, with gloo's timeout."""
+    done, ranks = launch("configs/accelerate/cpu_2proc.yaml", "timeout", tmp_path, 29653, mixed="no")
+    assert ranks, done.stderr[-3000:]
+    first = ranks[0]
+    assert first["error"] is not None and "timed out" in first["error"].lower(), first
+    assert 2.5 < first["waited_s"] < 15
+
+
+def captured(monkeypatch) -> dict:
+    """Replace accel.make_accelerator by a recorder that stops the caller (nothing after it runs)."""
+    seen = {}
+
+    def record(**kwargs):
+        seen.update(kwargs)
+        raise SystemExit("captured")
+
+    monkeypatch.setattr(accel, "make_accelerator", record)
+    return seen
+
+
+def test_train_and_sft_build_their_accelerator_with_the_config_s_fields(monkeypatch):
+    seen = captured(monkeypatch)
+    with pytest.raises(SystemExit, match="captured"):
+        train.main(["configs/tiny/stage1.yaml", "process_group_timeout_s=123", "mixed_precision=bf16"])
+    assert seen == {"mixed_precision": "bf16", "report_to": None, "out_dir": "runs/tiny/stage1", "timeout_s": 123.0}
+    assert train.TrainConfig().process_group_timeout_s == sft.SFTConfig().process_group_timeout_s == 7200
+    seen.clear()
+    with pytest.raises(SystemExit, match="captured"):
+        sft.make_accelerator(sft.SFTConfig(process_group_timeout_s=45.0, report_to="tensorboard", out_dir="o"))
+    assert seen == {"mixed_precision": "no", "report_to": "tensorboard", "out_dir": "o", "timeout_s": 45.0}
+
+
+@pytest.fixture
+def no_trackers(monkeypatch):
+    import accelerate.tracking
+    monkeypatch.setattr(accelerate.tracking, "get_available_trackers", lambda: [])
+
+
+def test_a_tracker_that_is_not_installed_stops_the_run_in_one_line(no_trackers):
+    with pytest.raises(SystemExit, match=r"^config error: report_to=tensorboard but its package is not installed "
+                                         r"\(pip install -e '\.\[tensorboard\]', or report_to=null"):
+        accel.check_tracker("tensorboard")
+    with pytest.raises(SystemExit, match=r"report_to='tensorbord' is not a tracker Accelerate knows \(.*tensorboard"):
+        accel.check_tracker("tensorbord")
+    accel.check_tracker(None)  # no tracker: nothing to check
+
+
+def test_train_py_stops_before_any_work_when_its_tracker_cannot_start(no_trackers, tmp_path, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match="report_to=tensorboard but its package is not installed"):
+        train.main(["configs/tiny/stage1.yaml", f"out_dir={out}", "report_to=tensorboard"])
+    assert not out.exists()  # nothing written, no model loaded
+
+
+def test_sft_py_stops_before_any_work_when_its_tracker_cannot_start(no_trackers, tmp_path):
+    from tiny_model import build_tiny
+    from tiny_task import write_task
+    data = write_task(tmp_path / "data", n_train=2, n_test=1, n_sft=2, workers=1)["sft"]
+    model = build_tiny(tmp_path / "model", hidden=16, layers=1, heads=2)
+    cfg = sft.SFTConfig(model_path=str(model), data=str(data), out_dir=str(tmp_path / "run"), report_to="tensorboard")
+    with pytest.raises(SystemExit, match="report_to=tensorboard but its package is not installed"):
+        sft.train(cfg)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
