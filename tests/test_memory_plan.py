@@ -5,7 +5,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import train
-from memory_plan import GB, PUBLIC_CONFIGS, Shape, engine_layout, memory_per_gpu
+from memory_plan import GB, PUBLIC_CONFIGS, Shape, engine_layout, logprob_chunk_bytes, memory_per_gpu
 
 TOY = Shape(layers=2, hidden=4, intermediate=8, heads=2, kv_heads=1, head_dim=2, vocab=10, tied=False)
 
