@@ -360,6 +360,13 @@ def seed_table(summaries: dict) -> tuple[dict, str]:
     return stats, "\n".join(lines)
 
 
+def earlier_seeds(path: Path) -> dict:
+    """{seed: summary} of a seeds.json written before ({} when there is none)."""
+    if not path.is_file():
+        return {}
+    return {int(k): v for k, v in json.loads(path.read_text())["seeds"].items()}
+
+
 def run_seed(root: Path, args, seed: int, sandbox: str) -> dict:
     """The pipeline for one seed into `root`; its summary (also written to root/summary.json). A run whose every
     step was already done keeps the summary.json of the run that did them (its wall time included)."""
@@ -417,15 +424,19 @@ def main(argv=None) -> None:
     if args.seeds is None:
         run_seed(root, args, args.seed, sandbox)
         return
-    summaries = {}
+    # seeds.json gathers every seed run into this root, by this command or an earlier one (two commands may run
+    # seeds side by side); a seed run again replaces its row.
+    root.mkdir(parents=True, exist_ok=True)
+    summaries = earlier_seeds(root / "seeds.json")
     for seed in args.seeds:
         print(f"\n===== seed {seed}: {root / f'seed{seed}'}", flush=True)
-        summaries[seed] = run_seed(root / f"seed{seed}", args, seed, sandbox)
-    stats, text = seed_table(summaries)
-    atomic_write_text(root / "seeds.json", json.dumps({"seeds": {str(k): v for k, v in summaries.items()},
-                                                       "over_seeds": stats}, indent=1))
-    print(f"\nheld-out pass@1 per seed, over seeds {args.seeds}:\n{text}\n"
-          f"wrote {root / 'seeds.json'}")
+        summary = run_seed(root / f"seed{seed}", args, seed, sandbox)
+        summaries = {**earlier_seeds(root / "seeds.json"), seed: summary}
+        atomic_write_text(root / "seeds.json", json.dumps(
+            {"seeds": {str(k): v for k, v in sorted(summaries.items())},
+             "over_seeds": seed_table(summaries)[0]}, indent=1))
+    print(f"\nheld-out pass@1 per seed, over seeds {sorted(summaries)} (this command ran {args.seeds}):\n"
+          f"{seed_table(dict(sorted(summaries.items())))[1]}\nwrote {root / 'seeds.json'}")
 
 
 if __name__ == "__main__":

@@ -186,3 +186,23 @@ def test_stage3_is_kept_only_when_it_does_not_lose_on_the_validation_split():
     for val3 in (0.85, 0.90):  # as good or better on the validation split: stage 3 stays
         kept, record = tiny_pipeline.guard_stage3(results, {"stage2": 0.85, "stage3": val3})
         assert kept["stage3"] == {"pass@1": 0.79} and record["kept"] and record["final_model"] == "stage3"
+
+
+def test_seeds_json_keeps_the_seeds_of_earlier_commands_into_the_same_root(tmp_path, monkeypatch, capsys):
+    def fake_run_seed(root, args, seed, sandbox):  # a summary whose numbers name the seed and the call
+        calls.append(seed)
+        acc = 0.1 * seed + 0.01 * len(calls)
+        return {"sft_accuracy": 0.0, "stage1_accuracy": acc, "stage2_accuracy": acc, "stage3_accuracy": acc,
+                "gain_points": 100 * acc, "wall_seconds": 1.0, "torch_threads": args.torch_threads}
+    calls = []
+    monkeypatch.setattr(tiny_pipeline, "run_seed", fake_run_seed)
+    monkeypatch.setattr(tiny_pipeline, "announce", lambda sandbox: "")
+    root = tmp_path / "seeds"
+    tiny_pipeline.main(["--seeds", "0,1", "--root", str(root)])
+    tiny_pipeline.main(["--seeds", "3,1", "--root", str(root), "--torch-threads", "1"])  # seed 1 again, one thread
+    saved = json.loads((root / "seeds.json").read_text())
+    assert list(saved["seeds"]) == ["0", "1", "3"]
+    assert saved["seeds"]["0"]["stage3_accuracy"] == pytest.approx(0.01)  # from the first command
+    assert saved["seeds"]["1"]["stage3_accuracy"] == pytest.approx(0.14) and saved["seeds"]["1"]["torch_threads"] == 1
+    assert saved["over_seeds"]["stage3_accuracy"]["max"] == pytest.approx(0.33)
+    assert "over seeds [0, 1, 3] (this command ran [3, 1])" in capsys.readouterr().out
