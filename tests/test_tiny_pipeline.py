@@ -42,12 +42,13 @@ def test_quick_pipeline_runs_every_stage_and_a_changed_rerun_ends_with_its_own_n
     # stage's evaluation started before the next stage (it runs beside it).
     phases = summary["phases"]
     assert set(phases) == {"base", "data", "sft", "eval_sft", "stage1", "eval_stage1", "stage2", "eval_stage2",
-                           "unsolved_stage2", "val_stage2", "stage3", "eval_stage3", "val_stage3"}
-    # The stage-3 guard compared stage 2 and stage 3 on the validation split and says which model is final.
-    guard = summary["stage3_guard"]
-    assert guard["kept"] == (guard["val_accuracy"]["stage3"] >= guard["val_accuracy"]["stage2"])
+                           "val_stage1", "unsolved_stage2", "val_stage2", "stage3", "eval_stage3", "val_stage3"}
+    # The guard compared the RL stages on the validation split and says which model is final.
+    guard = summary["stage_guard"]
+    val = guard["val_accuracy"]
+    assert val[guard["final_model"]] == max(val.values()) and guard["kept"] == (guard["final_model"] == "stage3")
     assert summary["final_model"] == str(root / guard["final_model"] / "model")
-    for stage in ("stage2", "stage3"):
+    for stage in ("stage1", "stage2", "stage3"):
         val = json.loads((root / f"val_{stage}" / "results.json").read_text())
         assert list(val["benchmarks"]) == ["val"]  # the validation split (val.jsonl)
         assert next(iter(val["benchmarks"].values()))["pass@1"] == guard["val_accuracy"][stage]
@@ -84,7 +85,7 @@ def test_quick_pipeline_runs_every_stage_and_a_changed_rerun_ends_with_its_own_n
         assert results["identity"]["model_files"] == stats  # the evaluation is of this model, not the old one
         accuracy = next(iter(results["benchmarks"].values()))["pass@1"]
         if stage == "stage3":  # the summary's stage 3 is the final model's, stage 3's own is the guard's record
-            guard = summary["stage3_guard"]
+            guard = summary["stage_guard"]
             assert guard["trained_accuracy"] == accuracy
             final = json.loads((root / f"eval_{guard['final_model']}" / "results.json").read_text())
             accuracy = next(iter(final["benchmarks"].values()))["pass@1"]
@@ -146,8 +147,11 @@ def test_one_seed_reaches_every_command_and_threads_when_given(tmp_path, monkeyp
     monkeypatch.setattr(tiny_pipeline, "eval_results", lambda root, name, folder="eval": {"pass@1": 0.5})
     tiny_pipeline.pipeline(tmp_path, False, tiny_pipeline.Commands(), seed=7, threads=1)
     assert set(commands) == {"base", "data", "sft", "stage1", "stage2", "stage3", "unsolved_stage2", "eval_sft",
-                             "eval_stage1", "eval_stage2", "eval_stage3", "val_stage2", "val_stage3"}
+                             "eval_stage1", "eval_stage2", "eval_stage3", "val_stage1", "val_stage2", "val_stage3"}
     assert f"benchmarks=[{tmp_path / 'data' / 'val.jsonl'}]" in commands["val_stage3"]  # the validation split
+    levels = f"data=[{tmp_path / 'data' / 'train_level1.jsonl'},{tmp_path / 'data' / 'train_level2.jsonl'}]"
+    assert levels in commands["stage1"] and levels in commands["stage2"]  # all problems, as the report's stages 1-2
+    assert f"data=[{tmp_path / 'data' / 'stage3.jsonl'}]" in commands["stage3"]
     assert commands["base"][-2:] == ["--seed", "7"] and commands["data"][-2:] == ["--seed", "7"]
     for name, cmd in commands.items():
         if name not in ("base", "data"):
@@ -175,14 +179,36 @@ def test_seeds_parse_and_the_seed_table_gives_each_stage_mean_min_max():
     assert lines[-3].split()[0] == "mean" and lines[-3].split()[-1] == "+55.0"
 
 
-def test_stage3_is_kept_only_when_it_does_not_lose_on_the_validation_split():
-    results = {"sft": {"pass@1": 0.3}, "stage1": {"pass@1": 0.7}, "stage2": {"pass@1": 0.88},
-               "stage3": {"pass@1": 0.79}}
-    worse, record = tiny_pipeline.guard_stage3(results, {"stage2": 0.85, "stage3": 0.80})
-    assert worse["stage3"] == {"pass@1": 0.88} and worse["stage2"] == {"pass@1": 0.88}  # stage 2's model is final
-    assert record == {"kept": False, "val_accuracy": {"stage2": 0.85, "stage3": 0.80}, "trained_accuracy": 0.79,
-                      "final_model": "stage2"}
-    assert results["stage3"] == {"pass@1": 0.79}  # the caller's results are not changed
-    for val3 in (0.85, 0.90):  # as good or better on the validation split: stage 3 stays
-        kept, record = tiny_pipeline.guard_stage3(results, {"stage2": 0.85, "stage3": val3})
-        assert kept["stage3"] == {"pass@1": 0.79} and record["kept"] and record["final_model"] == "stage3"
+def test_the_final_model_is_the_rl_stage_best_on_the_validation_split():
+    results = {"sft": {"pass@1": 0.3}, "stage1": {"pass@1": 0.90}, "stage2": {"pass@1": 0.81},
+               "stage3": {"pass@1": 0.55}}
+    final, record = tiny_pipeline.guard_stages(results, {"stage1": 0.88, "stage2": 0.78, "stage3": 0.56})
+    assert final["stage3"] == {"pass@1": 0.90} and final["stage2"] == {"pass@1": 0.81}  # stage 1's model is final
+    assert record == {"final_model": "stage1", "kept": False, "trained_accuracy": 0.55,
+                      "val_accuracy": {"stage1": 0.88, "stage2": 0.78, "stage3": 0.56}}
+    assert results["stage3"] == {"pass@1": 0.55}  # the caller's results are not changed
+    final, record = tiny_pipeline.guard_stages(results, {"stage1": 0.80, "stage2": 0.85, "stage3": 0.84})
+    assert final["stage3"] == {"pass@1": 0.81} and record["final_model"] == "stage2"
+    for val3 in (0.85, 0.90):  # as good as the best before it, or better: stage 3 stays
+        final, record = tiny_pipeline.guard_stages(results, {"stage1": 0.80, "stage2": 0.85, "stage3": val3})
+        assert final["stage3"] == {"pass@1": 0.55} and record["kept"] and record["final_model"] == "stage3"
+
+
+def test_seeds_json_keeps_the_seeds_of_earlier_commands_into_the_same_root(tmp_path, monkeypatch, capsys):
+    def fake_run_seed(root, args, seed, sandbox):  # a summary whose numbers name the seed and the call
+        calls.append(seed)
+        acc = 0.1 * seed + 0.01 * len(calls)
+        return {"sft_accuracy": 0.0, "stage1_accuracy": acc, "stage2_accuracy": acc, "stage3_accuracy": acc,
+                "gain_points": 100 * acc, "wall_seconds": 1.0, "torch_threads": args.torch_threads}
+    calls = []
+    monkeypatch.setattr(tiny_pipeline, "run_seed", fake_run_seed)
+    monkeypatch.setattr(tiny_pipeline, "announce", lambda sandbox: "")
+    root = tmp_path / "seeds"
+    tiny_pipeline.main(["--seeds", "0,1", "--root", str(root)])
+    tiny_pipeline.main(["--seeds", "3,1", "--root", str(root), "--torch-threads", "1"])  # seed 1 again, one thread
+    saved = json.loads((root / "seeds.json").read_text())
+    assert list(saved["seeds"]) == ["0", "1", "3"]
+    assert saved["seeds"]["0"]["stage3_accuracy"] == pytest.approx(0.01)  # from the first command
+    assert saved["seeds"]["1"]["stage3_accuracy"] == pytest.approx(0.14) and saved["seeds"]["1"]["torch_threads"] == 1
+    assert saved["over_seeds"]["stage3_accuracy"]["max"] == pytest.approx(0.33)
+    assert "over seeds [0, 1, 3] (this command ran [3, 1])" in capsys.readouterr().out

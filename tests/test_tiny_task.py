@@ -8,7 +8,7 @@ import pytest
 from code_tool import CodeTool
 from data import load_conversations, load_problems
 from protocol import chat_format
-from tiny_task import buggy_code, main, near_miss, trace_kinds, write_task
+from tiny_task import buggy_code, draw_problem, main, near_miss, trace_kinds, write_task
 
 SIZES = {"n_train": 40, "n_test": 15, "n_sft": 60, "n_val": 10}
 MIX = {"direct": 0.4, "tool": 0.2, "sloppy": 0.2, "fix": 0.2}
@@ -155,3 +155,12 @@ def test_the_validation_split_is_drawn_last_and_leaves_the_other_splits_as_they_
     for split in ("test", "sft", "train_level1", "train_level2"):
         assert without[split].read_bytes() == task[split].read_bytes(), split
     assert without["val"].read_text() == "" and len(load_problems(task["val"])) == 20
+
+
+def test_the_level2_kinds_keep_equal_shares_in_the_last_split_drawn():
+    # The default task's level-2 draws in its order: test 100, SFT ~1,600 (40% of 4,000), RL 2,000, validation 100.
+    rng, seen = random.Random(0), set()
+    drawn = [re.sub(r"\d+", "#", draw_problem(rng, 2, seen)["problem"]) for _ in range(3800)]
+    for part in (drawn[:100], drawn[1700:3700]):  # test, then RL's train_level2
+        shares = {kind: part.count(kind) / len(part) for kind in set(drawn)}
+        assert len(shares) == 3 and all(0.25 < v < 0.42 for v in shares.values()), shares
