@@ -83,17 +83,20 @@ def test_base_files_are_read_first_and_errors_name_the_file_that_holds_the_key(t
 
 
 def test_tiny_stage_configs_hold_only_what_differs_from_their_base():
-    """configs/tiny/stage{1,2,3}.yaml resolve through rl.yaml to the stage's full config."""
+    """configs/tiny/stage{1,2,3}.yaml resolve through rl.yaml to the stage's full config, and repeat no value of it."""
     import yaml
     from train import TrainConfig
     root = Path(__file__).resolve().parents[1] / "configs" / "tiny"
     base = yaml.safe_load((root / "rl.yaml").read_text())
-    for stage, (steps, budget, turns) in {1: (30, 320, 4), 2: (12, 448, 4), 3: (8, 448, 6)}.items():
+    stages = {1: (15, 32, 2e-4, 320, 4), 2: (12, 16, 2e-4, 448, 4), 3: (8, 16, 1e-4, 448, 6)}
+    for stage, (steps, prompts, lr, budget, turns) in stages.items():
         own = yaml.safe_load((root / f"stage{stage}.yaml").read_text())
-        assert own.pop("base") == "rl.yaml" and not set(own) & set(base)  # nothing repeated from the base
+        assert own.pop("base") == "rl.yaml"
+        assert all(own[key] != base[key] for key in set(own) & set(base))  # a key of the base only to change it
         cfg = load_config(TrainConfig, [root / f"stage{stage}.yaml"])
         assert (cfg.stage, cfg.steps, cfg.max_response_tokens, cfg.max_turns) == (stage, steps, budget, turns)
-        assert (cfg.group_size, cfg.rollouts_per_prompt, cfg.lr, cfg.torch_threads) == (4, 8, 2e-4, 1)
+        assert (cfg.prompts_per_step, cfg.lr) == (prompts, lr)
+        assert (cfg.group_size, cfg.rollouts_per_prompt, cfg.torch_threads) == (4, 8, 1)
 
 
 def test_non_utf8_yaml_is_one_line_naming_the_file(tmp_path):
