@@ -15,11 +15,11 @@
                      that scores highest there, a later one winning a tie (guard_stages)
   6. report.py       the problems that changed from SFT to stage 3, side by side (compare_sft_stage3.html)
 Each step writes into its own folder and, when its command succeeds, a marker `step.json` there recording the command,
-the YAML configs it reads and the markers of the steps it depends on. A step is done only when its marker matches all
-three; otherwise it runs again: in place when it was merely interrupted (train.py and sft.py resume from their last
-checkpoint, eval.py keeps its finished benchmarks), and from scratch when anything differs (`--quick` then a full
-run, an edited config, a redone upstream step), its old folder kept as NAME.previous. `--fresh` deletes the run
-folder first.
+the values the YAML configs it reads set (their comments do not count) and the markers of the steps it depends on.
+A step is done only when its marker matches all three; otherwise it runs again: in place when it was merely
+interrupted (train.py and sft.py resume from their last checkpoint, eval.py keeps its finished benchmarks), and from
+scratch when anything differs (`--quick` then a full run, a changed config value, a redone upstream step), its old
+folder kept as NAME.previous. `--fresh` deletes the run folder first.
 
 Every command runs with one torch thread (the tiny configs' `torch_threads: 1`), so the evaluation of a stage's
 model runs beside the next stage's training (its output goes to runs/tiny/eval_<stage>.log), on the other core.
@@ -65,12 +65,14 @@ def _sha256(path: Path) -> str:
 
 
 def _configs(cmd: list[str]) -> dict:
-    """sha256 of each YAML config in `cmd` and of the files it builds on (`base:`)."""
+    """sha256 of what each YAML config in `cmd` and each file it builds on (`base:`) sets: of its parsed values, so
+    an edited comment or layout leaves a finished step done, and any changed value redoes it."""
     digests, todo = {}, [Path(a) for a in cmd if a.endswith(".yaml")]
     while todo:
         path = todo.pop()
-        digests[str(path)] = _sha256(path)
-        base = (yaml.safe_load(path.read_text()) or {}).get("base", [])
+        values = yaml.safe_load(path.read_text()) or {}
+        digests[str(path)] = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
+        base = values.get("base", []) if isinstance(values, dict) else []
         todo += [path.parent / b for b in ([base] if isinstance(base, str) else base)]
     return digests
 

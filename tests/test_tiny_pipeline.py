@@ -131,7 +131,10 @@ def test_a_step_is_done_only_when_it_finished_with_the_same_command_configs_and_
     assert (a / "weights").read_text() == "2" and (tmp_path / "a.previous" / "weights").read_text() == "1"
     step_b(marker)  # ... and what depends on it is redone too
     assert ran() == ["a", "a", "b", "a", "b"]
-    (tmp_path / "base.yaml").write_text("lr: 2.0\n")  # an edited config, even one the command names only via base:
+    (tmp_path / "base.yaml").write_text("# the learning rate\nlr:   1.0   # unchanged\n")  # a comment, spaces
+    step_b(marker)
+    assert ran() == ["a", "a", "b", "a", "b"]  # the same values: still done
+    (tmp_path / "base.yaml").write_text("lr: 2.0\n")  # an edited value, even in a file named only via base:
     step_b(marker)
     assert ran() == ["a", "a", "b", "a", "b", "b"]
 
