@@ -88,7 +88,7 @@ def test_tiny_stage_configs_hold_only_what_differs_from_their_base():
     from train import TrainConfig
     root = Path(__file__).resolve().parents[1] / "configs" / "tiny"
     base = yaml.safe_load((root / "rl.yaml").read_text())
-    stages = {1: (15, 32, 2e-4, 320, 4), 2: (12, 16, 2e-4, 448, 4), 3: (8, 16, 1e-4, 448, 6)}
+    stages = {1: (15, 64, 2e-4, 320, 4), 2: (12, 16, 1e-4, 448, 4), 3: (8, 16, 1e-4, 448, 6)}
     for stage, (steps, prompts, lr, budget, turns) in stages.items():
         own = yaml.safe_load((root / f"stage{stage}.yaml").read_text())
         assert own.pop("base") == "rl.yaml"
