@@ -350,17 +350,22 @@ def test_the_gap_is_the_engines_rounding_none_in_fp32_some_in_bf16(engine, bf16_
 def test_a_correction_changes_the_loss_exactly_as_its_formula_says_on_bf16_rollouts(bf16_engine, tiny):
     """On-policy (the first mini-batch: logp = old) every kept token's loss is -A_i; tis multiplies it by
     min(pi_old / pi_sampler, C), seq_mask keeps the rollouts whose geometric-mean ratio lies in the band. Both are
-    written out token by token here, in float64, from the engine's and the trainer's numbers."""
-    adv, trainer, sampler, mask = engine_gap(bf16_engine, tiny)
+    written out token by token here from the engine's and the trainer's numbers; the loss runs in float64, so that
+    the correction's effect (a few parts in 1e5 of the loss at this gap) is checked far above rounding."""
+    adv, trainer, sampler, mask = (t.double() if t.is_floating_point() else t for t in engine_gap(bf16_engine, tiny))
     n = float(mask.sum())
     off = policy_loss(trainer, trainer, adv, mask)[0].item()
+    off_by_hand = sum(-float(adv[i]) * float(mask[i].sum()) for i in range(mask.shape[0])) / n
     tis = policy_loss(trainer, trainer, adv, mask, is_weights=truncated_is_weights(trainer, sampler, mask, 1.01))[0]
     by_hand, log_g = 0.0, []
     for i in range(mask.shape[0]):
         logs = [float(trainer[i, t]) - float(sampler[i, t]) for t in range(mask.shape[1]) if mask[i, t]]
         by_hand += sum(-float(adv[i]) * min(math.exp(x), 1.01) for x in logs)
         log_g.append(sum(logs) / len(logs))
-    assert tis.item() == pytest.approx(by_hand / n, rel=1e-5) and tis.item() != pytest.approx(off, rel=1e-4)
+    assert off == pytest.approx(off_by_hand, rel=1e-9) and tis.item() == pytest.approx(by_hand / n, rel=1e-9)
+    # the correction moved the loss by what its formula says, an amount far above float64's rounding
+    assert tis.item() - off == pytest.approx(by_hand / n - off_by_hand, rel=1e-6)
+    assert abs(by_hand / n - off_by_hand) > 1e-9
     # A band that keeps about half of the rollouts, its edge halfway between two neighbouring |log g_i|: an edge on a
     # rollout's own value would keep or drop it by the last bit of rounding (exp, then log again, in another dtype).
     s = sorted(abs(x) for x in log_g)
@@ -371,7 +376,7 @@ def test_a_correction_changes_the_loss_exactly_as_its_formula_says_on_bf16_rollo
                          is_weights=sequence_mask_weights(trainer, sampler, mask, math.exp(-m), math.exp(m)))[0]
     kept = [i for i, x in enumerate(log_g) if -m <= x <= m]
     assert 0 < len(kept) < len(log_g)
-    assert masked.item() == pytest.approx(sum(-float(adv[i]) * float(mask[i].sum()) for i in kept) / n, rel=1e-5)
+    assert masked.item() == pytest.approx(sum(-float(adv[i]) * float(mask[i].sum()) for i in kept) / n, rel=1e-9)
 
 
 def test_train_py_on_a_bf16_engine_logs_its_gap(tiny, product_data, tmp_path):
