@@ -72,7 +72,7 @@ def _configs(cmd: list[str]) -> dict:
         path = todo.pop()
         values = yaml.safe_load(path.read_text()) or {}
         digests[str(path)] = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
-        base = values.get("base", []) if isinstance(values, dict) else []
+        base = values.get("base", [])
         todo += [path.parent / b for b in ([base] if isinstance(base, str) else base)]
     return digests
 
