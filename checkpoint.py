@@ -219,7 +219,8 @@ def save_checkpoint(accelerator, run_dir, step: int, state: dict, keep_last: int
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         written = 1 + max((w for w, _, _ in _checkpoints(run_dir)), default=0)
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "written": written, **state}, indent=1))
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "written": written,
+                                                  "world_size": accelerator.num_processes, **state}, indent=1))
         if (run_dir / LOG_FILE).is_file():
             _fsync_file(run_dir / LOG_FILE)
         replace_dir(tmp, final)
@@ -243,9 +244,27 @@ def prune(run_dir, keep_last: int) -> None:
 
 
 def load_checkpoint(accelerator, path) -> dict:
-    """Restore what save_checkpoint saved into the prepared objects; returns the trainer state dict."""
+    """Restore what save_checkpoint saved into the prepared objects; returns the trainer state dict.
+    Another number of processes than the run that wrote it is fine: the model and optimizer are whole (DDP) or
+    resharded on load (FSDP's sharded checkpoints), and the trainer state holds no per-rank position. What does not
+    carry over is each rank's RNG stream, which drives only sampling (a rank without a saved one keeps its seed's).
+    A checkpoint of the other layout (whole vs FSDP-sharded) is refused with one line."""
+    from accelerate.utils import DistributedType
+    sharded = any(Path(path).glob("pytorch_model_fsdp*"))
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if sharded != fsdp:
+        written, now = ("an FSDP", "without FSDP") if sharded else ("a non-FSDP", "under FSDP")
+        raise SystemExit(f"resume error: {path} was written by {written} launch and this one runs {now}; resume "
+                         f"it with the launch config it was written with (any number of processes), or start over "
+                         f"from its model/ in another out_dir")
+    state = json.loads((Path(path) / STATE_FILE).read_text())
+    saved_world = state.get("world_size", accelerator.num_processes)
+    if saved_world != accelerator.num_processes:
+        accelerator.print(f"resuming {path}, written by {saved_world} process(es), on {accelerator.num_processes}: "
+                          f"weights, optimizer, learning rate and data position carry over; sampling RNG streams "
+                          f"are per rank and do not")
     accelerator.load_state(str(path))
-    return json.loads((Path(path) / STATE_FILE).read_text())
+    return state
 
 
 # ============================================================================ continuing a run

@@ -128,7 +128,7 @@ class TrainConfig:
     tool_error_format: str = "full"       # a failed call's text: full (compact traceback) | last_line (exception only)
     # --- optimizer (report §4)
     lr: float = 1e-6                      # constant after warm-up
-    warmup_steps: int = 20
+    warmup_steps: int = 20                # in optimizer steps (RL steps when updates_per_step is 1)
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -192,11 +192,11 @@ def validate(cfg: TrainConfig, world: int) -> None:
         problems.append(f"need 2 <= group_size <= rollouts_per_prompt, got {cfg.group_size}, {cfg.rollouts_per_prompt}")
     if cfg.prompts_per_step % world:
         problems.append(f"prompts_per_step={cfg.prompts_per_step} must divide over {world} processes")
-    most = math.ceil(cfg.prompts_per_step // world * cfg.group_size / max(cfg.micro_batch_size, 1))
+    most = math.ceil(cfg.prompts_per_step * cfg.group_size / max(cfg.micro_batch_size, 1))
     if cfg.updates_per_step > most > 0:
-        # the last optimizer steps would get no micro-batch: empty updates that AdamW's momentum still applies
-        problems.append(f"updates_per_step={cfg.updates_per_step} exceeds the {most} micro-batch(es) a rank gets "
-                        f"per step (prompts_per_step / world * group_size / micro_batch_size)")
+        # the last optimizer steps would never get a micro-batch (minibatch_of): updates with nothing to learn from
+        problems.append(f"updates_per_step={cfg.updates_per_step} exceeds the {most} micro-batch(es) of a step "
+                        f"(prompts_per_step * group_size / micro_batch_size)")
     if cfg.loss_agg not in LOSSES:
         problems.append(f"loss_agg must be one of {sorted(LOSSES)}, got {cfg.loss_agg!r}")
     if cfg.mismatch_correction not in CORRECTIONS:
@@ -317,12 +317,12 @@ def reduce_sums(accelerator, sums: dict) -> dict:
     return {k: (flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] else float("nan")) for i, k in enumerate(sums)}
 
 
-def all_max(accelerator, value: float) -> float:
-    """The largest `value` over ranks."""
-    t = torch.tensor([value], dtype=torch.float64, device=accelerator.device)
+def all_max(accelerator, values: list[float]) -> list[float]:
+    """The element-wise largest of a list of numbers over ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
     if accelerator.num_processes > 1:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return t.item()
+    return t.tolist()
 
 
 def rank_share(items: list, accelerator) -> list:
@@ -416,23 +416,38 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def minibatch_of(kept_per_group: list[int], updates: int, size: int) -> list[list[int]]:
+    """The mini-batch (optimizer step) of each kept rollout, given how many each group of the step kept, in the
+    step's group order: those rollouts, in that order, are cut into `updates` runs of whole micro-batches of `size`
+    (the last runs may be short or empty). A function of the whole step only, so each optimizer step sees the same
+    rollouts whatever the number of ranks and wherever a group was rolled out."""
+    n = sum(kept_per_group)
+    span = max(1, math.ceil(math.ceil(n / size) / updates)) * size  # rollouts per mini-batch
+    out, position = [], 0
+    for k in kept_per_group:
+        out.append([(position + i) // span for i in range(k)])
+        position += k
+    return out
+
+
 def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, cfg, pad_id: int) -> dict:
-    """Phases 7-8 on this rank's kept [(trajectory, advantage)]. Returns metrics as {name: (sum, count)}: the loss's,
-    and the sampler-trainer gap on the kept rollouts' sampled tokens (`mismatch/*`, from the old log-probs the
-    update computes anyway)."""
-    world, size = accelerator.num_processes, cfg.micro_batch_size
+    """Phases 7-8 on this rank's kept [(trajectory, advantage, mini-batch index)] (`minibatch_of`). Returns metrics
+    as {name: (sum, count)}: the loss's, and the sampler-trainer gap on the kept rollouts' sampled tokens
+    (`mismatch/*`, from the old log-probs the update computes anyway)."""
+    world, size, updates = accelerator.num_processes, cfg.micro_batch_size, cfg.updates_per_step
     correction = CORRECTIONS[cfg.mismatch_correction](cfg)
-    # Every rank runs the same number of micro-batches (the largest any rank needs).
-    n_micro = max(int(all_max(accelerator, math.ceil(len(kept) / size))), 1)
-    per_update = math.ceil(n_micro / cfg.updates_per_step)
     # Within each mini-batch, micro-batches of similar length: each is padded to its longest sequence (one
     # truncated rollout would otherwise pad a whole micro-batch to the budget). The loss sums over the
     # mini-batch's tokens, so the order inside it changes nothing.
-    span = per_update * size
-    kept = [x for m in range(0, len(kept), span)
-            for x in sorted(kept[m:m + span], key=lambda item: len(item[0].prompt_ids) + len(item[0].response_ids))]
-    chunks = micro_batches(kept, size, n_micro)
+    mine = [sorted([(t, a) for t, a, m in kept if m == u], key=lambda item: len(item[0].prompt_ids)
+                   + len(item[0].response_ids)) for u in range(updates)]
+    # Every rank runs the same number of micro-batches in each mini-batch (the most any rank needs; the first
+    # mini-batch at least one, so a step whose groups were all dropped still steps AdamW as it always has).
+    counts = all_max(accelerator, [math.ceil(len(m) / size) for m in mine])
+    counts[0] = max(counts[0], 1)
+    chunks = [c for u in range(updates) for c in micro_batches(mine[u], size, int(counts[u]))]
     batches = [to_device(make_batch(c, dummy, pad_id), accelerator.device) for c in chunks]
+    first = [sum(counts[:u]) for u in range(updates + 1)]  # mini-batch u: micro-batches first[u]..first[u+1]-1
     # Under FSDP, skipping the gradient sync would keep a whole unsharded gradient on every GPU until the last
     # micro-batch; instead each micro-batch's gradient is reduce-scattered into the shards as it comes.
     sync_each = is_sharded(model)
@@ -445,13 +460,13 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
     # forward of their own now (None: take them from the update's forward).
     model.eval()
     with torch.no_grad():
-        old = [None if i < per_update else token_logprobs(model, b, cfg.temperature) for i, (b, _) in
+        old = [None if i < first[1] else token_logprobs(model, b, cfg.temperature) for i, (b, _) in
                enumerate(batches)]
     model.train()
     # Phase 8: `updates_per_step` optimizer steps (mini-batches), each accumulating its micro-batches.
     sums, seq_log_ratios = {}, []
-    for u in range(cfg.updates_per_step):
-        ids = list(range(u * per_update, min((u + 1) * per_update, n_micro)))
+    for u in range(updates):
+        ids = list(range(int(first[u]), int(first[u + 1])))
         # The normaliser, over ALL ranks and micro-batches of this mini-batch: unmasked tokens (token-level loss)
         # or sequences (sequence-mean ablation).
         tokens, seqs = all_sum(accelerator, [sum(batches[i][0]["loss_mask"].sum().item() for i in ids),
@@ -540,8 +555,17 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     t1 = time.perf_counter()
     if hasattr(run.sampler, "sleep"):
         run.sampler.sleep()  # colocated vLLM: free the GPU memory of its weights and KV cache for the update
+    lr = run.scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
+    # Each kept rollout's mini-batch, from every group's kept count over the whole step (summed over ranks)
+    per_group = [0] * cfg.prompts_per_step
+    for g, idx in zip(groups, kept_idx):
+        per_group[first + g] = len(idx)
+    minibatch = [m for g, ms in enumerate(minibatch_of([int(k) for k in all_sum(acc, per_group)],
+                                                        cfg.updates_per_step, cfg.micro_batch_size))
+                 if first <= g < first + len(problems) for m in ms]
     sums = {k if "/" in k else f"loss/{k}": v for k, v in update_policy(
-        acc, run.model, run.optimizer, run.scheduler, list(zip(kept, adv)), trajs[0], cfg, run.pad_id).items()}
+        acc, run.model, run.optimizer, run.scheduler, list(zip(kept, adv, minibatch)), trajs[0], cfg,
+        run.pad_id).items()}
     t_update = time.perf_counter() - t1
     # ---------------------------------------------------------------- 9. hand the new weights to the sampler
     hand_off(acc, run.model, run.sampler)
@@ -560,7 +584,7 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
         "perf/rollout_s": (t_rollout, 1.0),
         "perf/update_s": (t_update, 1.0),
         "perf/step_s": (time.perf_counter() - t0, 1.0),
-        "loss/lr": (run.scheduler.get_last_lr()[0], 1.0),
+        "loss/lr": (lr, 1.0),
         "reward/timeouts": (sum(v.timed_out for v in verdicts), 1.0 / acc.num_processes),
     })
     return sums
@@ -715,12 +739,15 @@ def setup(cfg: TrainConfig):
         model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
-    # lr_t = lr * min(1, (t + 1) / warmup_steps): linear warm-up, then constant (report §4)
+    # lr_t = lr * min(1, (t + 1) / warmup_steps) before optimizer step t: linear warm-up, then constant (report §4).
+    # Not given to acc.prepare: Accelerate would step it once per process at every optimizer step (a warm-up
+    # num_processes times too fast); registered, so checkpoints keep it all the same.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / max(cfg.warmup_steps, 1)))
+    acc.register_for_checkpointing(scheduler)
     if acc.distributed_type == DistributedType.FSDP and not acc.is_fsdp2:
         raise SystemExit("config error: train.py shards with FSDP2: set fsdp_version: 2 in the Accelerate config "
                          "(configs/accelerate/*.yaml)")
-    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    model, optimizer = acc.prepare(model, optimizer)
     if cfg.optimizer_from and start is None:  # after prepare: under FSDP the state is sharded like the model
         load_optimizer(acc, model, optimizer, optimizer_file(cfg.optimizer_from))
         for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):

@@ -2,8 +2,10 @@
 (tests/scripted_policy.py), for tests that need a separate process (SIGKILL, torchrun). SCRIPTED_RNG=1 makes the
 policy's answers depend on the global torch RNG; CPU_FSDP=1 lets Accelerate's FSDP run on CPU processes
 (tests/cpu_fsdp.py); SKIP_GATHER=1 makes the hand-off skip the gather of a sharded trainer, so the sampler's own
-copy never receives the weights (what the hand-off check must catch). Each rank writes rank{R}.json (world size, weight checksum) and sampler{R}.pt (the weights
-its sampler holds at the end)."""
+copy never receives the weights (what the hand-off check must catch). Each rank writes rank{R}.json (world size,
+weight checksum) and sampler{R}.pt (the weights its sampler holds at the end); RECORD=1 records what each rank
+rolled out and trained on (`record_inputs`); WATCH_GRADS=1 records the whole gradients each rank holds after every
+backward (`watch_unsharded_grads`)."""
 import json
 import os
 import sys
@@ -17,6 +19,63 @@ import torch  # noqa: E402
 import train  # noqa: E402
 from scripted_policy import ScriptedSampler, weights_sum  # noqa: E402
 
+def unsharded_grad_elements(model) -> int:
+    """Elements of whole (unsharded) gradients FSDP2 holds for the model's parameters: what it keeps between
+    backwards when gradient sync is off (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), plus any parameter
+    gradient that is not a DTensor shard."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    held = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            for group in filter(None, getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]):
+                for p in group.fsdp_params:
+                    for g in (p.unsharded_accumulated_grad, getattr(p._unsharded_param, "grad", None)
+                              if hasattr(p, "_unsharded_param") else None):
+                        held += g.numel() if g is not None else 0
+    return held + sum(p.grad.numel() for p in model.parameters()
+                      if p.grad is not None and not isinstance(p.grad, DTensor))
+
+
+def watch_unsharded_grads(out: Path, rank: int) -> None:
+    """WATCH_GRADS=1: after every backward, each rank appends to grads{R}.jsonl the elements of whole gradients it
+    holds (`unsharded_grad_elements`) and the model's parameter count."""
+    import accelerate
+    real = accelerate.Accelerator.backward
+
+    def backward(self, loss, **kwargs):
+        real(self, loss, **kwargs)
+        model = self._models[0]
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / f"grads{rank}.jsonl", "a") as f:
+            f.write(json.dumps({"held": unsharded_grad_elements(model),
+                                "params": sum(p.numel() for p in model.parameters())}) + "\n")
+    accelerate.Accelerator.backward = backward
+
+
+def record_inputs(out: Path, rank: int) -> None:
+    """RECORD=1: each rank appends, per rollout() call, the problems it rolled out (rollouts{R}.jsonl), and per
+    update_policy() call, each kept rollout as (digest of its tokens, advantage, mini-batch) (kept{R}.jsonl)."""
+    import hashlib
+    real_rollout, real_update = train.rollout, train.update_policy
+
+    def write(name, row):
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / f"{name}{rank}.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def rollout(problems, *args, **kwargs):
+        write("rollouts", {"temperature": kwargs.get("temperature"), "problems": sorted(problems)})
+        return real_rollout(problems, *args, **kwargs)
+
+    def update_policy(acc, model, optimizer, scheduler, kept, *args, **kwargs):
+        digest = lambda t: hashlib.sha1(str(t.prompt_ids + t.response_ids).encode()).hexdigest()[:12]  # noqa: E731
+        write("kept", sorted([digest(t), round(a, 6), m] for t, a, m in kept))
+        return real_update(acc, model, optimizer, scheduler, kept, *args, **kwargs)
+    train.rollout, train.update_policy = rollout, update_policy
+
+
 if __name__ == "__main__":
     if os.environ.get("CPU_FSDP") == "1":
         import cpu_fsdp
@@ -26,6 +85,12 @@ if __name__ == "__main__":
         train.hand_off = lambda acc, model, sampler: (None if train.is_sharded(acc.unwrap_model(model))
                                                       else real_hand_off(acc, model, sampler))
     made = []
+    if os.environ.get("WATCH_GRADS") == "1":
+        watch_unsharded_grads(Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1]),
+                              int(os.environ.get("RANK", 0)))
+    if os.environ.get("RECORD") == "1":  # what each rank rolled out and trained on, for the invariance tests
+        record_inputs(Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1]),
+                      int(os.environ.get("RANK", 0)))
 
     def make(cfg, model, tokenizer):
         made.append(ScriptedSampler(model, tokenizer, use_rng=os.environ.get("SCRIPTED_RNG") == "1"))

@@ -12,6 +12,7 @@ from checkpoint import latest_checkpoint, save_checkpoint, truncate_log
 class FakeAccelerator:
     """What save_checkpoint uses of Accelerate's Accelerator: one process whose state is one file."""
     is_main_process = True
+    num_processes = 1
 
     def wait_for_everyone(self):
         pass

@@ -88,6 +88,12 @@ def kept_batch(tiny, logprob_shift=None):
     return tok, list(zip(trajs, adv))
 
 
+def in_minibatches(kept, cfg):
+    """[(trajectory, advantage, mini-batch)]: the rollouts of one rank that holds the whole step."""
+    return [(t, a, m) for (t, a), m in zip(kept, train.minibatch_of([len(kept)], cfg.updates_per_step,
+                                                                      cfg.micro_batch_size)[0])]
+
+
 def updated_weights(tiny, kept, micro_batch_size, **cfg):
     from accelerate import Accelerator
     torch.manual_seed(0)
@@ -97,7 +103,7 @@ def updated_weights(tiny, kept, micro_batch_size, **cfg):
     acc = Accelerator(cpu=True)
     model, opt, sched = acc.prepare(model, opt, sched)
     cfg = train.TrainConfig(micro_batch_size=micro_batch_size, grad_clip=1e9, **cfg)
-    sums = train.update_policy(acc, model, opt, sched, kept, kept[0][0], cfg, pad_id=0)
+    sums = train.update_policy(acc, model, opt, sched, in_minibatches(kept, cfg), kept[0][0], cfg, pad_id=0)
     return torch.cat([p.detach().flatten() for p in model.parameters()]), sums
 
 
@@ -207,7 +213,7 @@ def test_update_scores_old_logprobs_in_its_own_forward_when_on_policy(tiny, monk
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
     acc = Accelerator(cpu=True)
     model, opt, sched = acc.prepare(model, opt, sched)
-    sums = train.update_policy(acc, model, opt, sched, kept, kept[0][0], cfg_two, pad_id=0)
+    sums = train.update_policy(acc, model, opt, sched, in_minibatches(kept, cfg_two), kept[0][0], cfg_two, pad_id=0)
     assert [grad for _, grad in calls] == [False] * 2 + [True] * 4  # micro-batches 3 and 4, before any step
     ratio = sums["ratio_mean"][0] / sums["ratio_mean"][1]
     assert ratio != pytest.approx(1.0, abs=1e-6)  # the second mini-batch saw the policy after the first step

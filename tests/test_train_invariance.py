@@ -1,0 +1,193 @@
+"""World-size invariance of RL training: train.py on 1, 2 and 3 CPU processes (gloo), under DDP and under FSDP2,
+computes what one process computes.
+
+The setting is chosen so that a difference has somewhere to show: a warm-up longer than the run (an lr schedule
+stepped at another pace shows in every step's `loss/lr`), three optimizer steps per RL step over micro-batches of 2
+(mini-batches that a rank cuts from its own share would hold other rollouts than one process's), 6 prompts a step
+from 9 problems (steps cross a data epoch), held-out evaluation during training on 5 problems (not a multiple of 2
+or 3), and a stage 2 that carries stage 1's AdamW state (`optimizer_from`), whole or sharded.
+
+The scripted policy (tests/scripted_policy.py) answers a problem the same way whichever rank rolls it out, so
+nothing may differ but float rounding: the problems each step rolls out, the kept rollouts with their advantages and
+mini-batches (RoC's choices), the lr, the rewards and RoC statistics must be equal; the losses, gradient norms and
+final weights equal to float32 rounding (all-reduce and reduce-scatter sum in another order; Adam divides by
+sqrt(v), which enlarges that rounding where a gradient is near 0). With a sampling policy each rank draws its own
+rollouts from its own RNG stream, so rollouts (and everything computed from them) differ with the world size as
+they differ between two seeds: that is the only legitimate difference, and the scripted policy removes it.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data import write_jsonl
+from scripted_policy import say_problems
+from tiny_model import build_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "run_scripted_train.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RECORD": "1"}
+FSDP_CONFIG = ROOT / "configs/accelerate/fsdp_1node_8gpu.yaml"
+# Measured largest differences from one process: weights 2.4e-7 after 5 AdamW steps at lr <= 1e-3 (about a
+# quarter of a float32 ulp of the larger weights); losses 3e-8. The bounds leave 10x room.
+WEIGHT_TOL, LOSS_TOL = 3e-6, 1e-6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher(kind: str, world: int) -> tuple[list[str], dict]:
+    """The command prefix and extra environment of a launch: one plain process, torchrun (DDP) or accelerate
+    launch with the real FSDP2 config (tests/cpu_fsdp.py lets it shard on CPU processes)."""
+    if world == 1:
+        return [sys.executable], {}
+    if kind == "ddp":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
+                str(free_port())], {}
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG), "--num_processes",
+            str(world), "--mixed_precision", "no", "--main_process_port", str(free_port())], {"CPU_FSDP": "1"}
+
+
+def train(kind: str, world: int, args: list[str]) -> None:
+    prefix, extra = launcher(kind, world)
+    done = subprocess.run(prefix + [str(SCRIPT)] + args, env={**ENV, **extra}, cwd=ROOT, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("invariance")
+    build_tiny(root / "base", hidden=32, layers=2, heads=2)
+    write_jsonl(root / "train.jsonl", say_problems(9))
+    write_jsonl(root / "held_out.jsonl", say_problems(5, start=20))
+    return root
+
+
+def stage_args(data: Path, out: Path, model: Path, steps: int, extra=()) -> list[str]:
+    return ["configs/tiny/stage1.yaml", f"model_path={model}", f"data=[{data / 'train.jsonl'}]", f"out_dir={out}",
+            "prompts_per_step=6", "rollouts_per_prompt=8", "group_size=4", "micro_batch_size=2",
+            "updates_per_step=3", f"steps={steps}", "lr=1e-3", "warmup_steps=10", "max_response_tokens=96",
+            f"eval_data={data / 'held_out.jsonl'}", "eval_every=1", "eval_samples=2", "eval_limit=0",
+            "save_every=1", "torch_threads=1", "tool_workers=1", *extra]
+
+
+def two_stages(data: Path, kind: str, world: int) -> Path:
+    """Stage 1 (3 steps) and stage 2 (2 steps, from stage 1's model and AdamW state) at one launch setting."""
+    root = data / f"{kind}{world}"
+    train(kind, world, stage_args(data, root / "stage1", data / "base", 3))
+    train(kind, world, stage_args(data, root / "stage2", root / "stage1" / "model", 2,
+                                  ["stage=2", f"optimizer_from={root / 'stage1'}"]))
+    return root
+
+
+@pytest.fixture(scope="module")
+def one(data):
+    return two_stages(data, "ddp", 1)
+
+
+def metrics(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]  # timings differ run to run
+
+
+def per_call(out: Path, name: str, world: int) -> list:
+    """Every rank's records of one kind merged call by call (ranks make the same calls in the same order)."""
+    ranks = [[json.loads(line) for line in (out / f"{name}{r}.jsonl").read_text().splitlines()] for r in range(world)]
+    assert len({len(r) for r in ranks}) == 1, [len(r) for r in ranks]
+    if name == "rollouts":
+        return [(calls[0]["temperature"], sorted(p for c in calls for p in c["problems"])) for calls in zip(*ranks)]
+    return [sorted(x for c in calls for x in c) for calls in zip(*ranks)]
+
+
+def weights(out: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
+
+
+def assert_same_run(reference: Path, other: Path, world: int) -> None:
+    # the data each step rolled out (training and held-out calls), and what each optimizer step trained on
+    assert per_call(other, "rollouts", world) == per_call(reference, "rollouts", 1)
+    assert per_call(other, "kept", world) == per_call(reference, "kept", 1)
+    m1, m2 = metrics(reference), metrics(other)
+    assert [r["step"] for r in m2] == [r["step"] for r in m1]
+    assert [r["loss/lr"] for r in m2] == pytest.approx([r["loss/lr"] for r in m1], rel=1e-12)
+    for a, b in zip(m1, m2):
+        assert a.keys() == b.keys()
+        for key in a:
+            if key.startswith("loss/") and key != "loss/lr":
+                assert b[key] == pytest.approx(a[key], abs=LOSS_TOL), (a["step"], key)
+            else:  # lr, rewards, RoC and held-out statistics: counts and their ratios, equal
+                assert b[key] == pytest.approx(a[key], rel=1e-12, abs=1e-12), (a["step"], key)
+    w1, w2 = weights(reference), weights(other)
+    gap = max((w2[name] - w1[name]).abs().max().item() for name in w1)
+    assert gap <= WEIGHT_TOL, gap
+
+
+@pytest.mark.parametrize("kind,world", [("ddp", 2), ("ddp", 3), ("fsdp", 2), ("fsdp", 3)])
+def test_invariance_of_rl_training_to_the_number_of_processes(data, one, kind, world):
+    other = two_stages(data, kind, world)
+    lrs = [r["loss/lr"] for r in metrics(one / "stage1")]
+    # warm-up in optimizer steps, three per RL step: the lr of each step's first one is 1e-3 * (3 s + 1) / 10
+    assert lrs == pytest.approx([1e-4, 4e-4, 7e-4])
+    for stage in ("stage1", "stage2"):
+        assert_same_run(one / stage, other / stage, world)
+
+
+def resumed(data: Path, kind: str, written_by: int, resumed_on: int, name: str) -> Path:
+    """Stage 1's first 2 steps on `written_by` processes, then its third on `resumed_on` (as a run that lost
+    nodes continues on fewer, or on more)."""
+    out = data / name / "stage1"
+    train(kind, written_by, stage_args(data, out, data / "base", 2))
+    train(kind, resumed_on, stage_args(data, out, data / "base", 3, ["resume_allow_changes=[steps]"]))
+    return out
+
+
+def assert_continues(reference: Path, run: Path) -> None:
+    m1, m2 = metrics(reference), metrics(run)
+    assert [r["step"] for r in m2] == [1, 2, 3]
+    for a, b in zip(m1, m2):
+        for key in a:
+            tol = LOSS_TOL if key.startswith("loss/") and key != "loss/lr" else 1e-12
+            assert b[key] == pytest.approx(a[key], rel=1e-12, abs=tol), (a["step"], key)
+    w1, w2 = weights(reference), weights(run)
+    assert max((w2[name] - w1[name]).abs().max().item() for name in w1) <= WEIGHT_TOL
+
+
+@pytest.mark.parametrize("kind,written_by,resumed_on", [("ddp", 2, 1), ("ddp", 2, 3), ("fsdp", 2, 3)])
+def test_invariance_of_a_resume_on_another_number_of_processes(data, one, kind, written_by, resumed_on):
+    run = resumed(data, kind, written_by, resumed_on, f"resume-{kind}{written_by}-{resumed_on}")
+    assert_continues(one / "stage1", run)
+
+
+def test_a_sharded_checkpoint_resumed_without_fsdp_is_refused_in_one_line(data):
+    out = data / "fsdp-to-plain" / "stage1"
+    train("fsdp", 2, stage_args(data, out, data / "base", 1))
+    done = subprocess.run([sys.executable, str(SCRIPT)] + stage_args(data, out, data / "base", 2,
+                                                                     ["resume_allow_changes=[steps]"]),
+                          env=ENV, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("resume error: ") and "FSDP" in last and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_no_fsdp_rank_holds_a_whole_gradient_between_micro_batches(data):
+    """Under FSDP2 each micro-batch's gradient is reduce-scattered into the shards as it comes (train.update_policy):
+    after every backward no rank holds any parameter's whole gradient, which would cost 4 bytes per parameter of
+    the model on every GPU (fp32 reduce dtype) until the mini-batch ends."""
+    out = data / "grads" / "stage1"
+    prefix, extra = launcher("fsdp", 2)
+    done = subprocess.run(prefix + [str(SCRIPT)] + stage_args(data, out, data / "base", 1, ["updates_per_step=1"]),
+                          env={**ENV, **extra, "WATCH_GRADS": "1"}, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        rows = [json.loads(line) for line in (out / f"grads{rank}.jsonl").read_text().splitlines()]
+        assert len(rows) >= 3  # several micro-batches in the one mini-batch
+        assert [r["held"] for r in rows] == [0] * len(rows), rows
