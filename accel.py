@@ -88,3 +88,30 @@ def mixed_precision_policy(model) -> dict[str, tuple]:
             for group in filter(None, groups):
                 out[name or "(root)"] = (group.mp_policy.param_dtype, group.mp_policy.reduce_dtype)
     return out
+
+
+def reshard(model) -> None:
+    """Free the gathered (unsharded) parameters of every FSDP2 group of a prepared model; a no-op without FSDP2.
+
+    Why: Accelerate 1.15 shards the root module and the group holding the final norm and lm_head (with the
+    embedding when tied) with reshard_after_forward=False (`fsdp2_prepare_model`, accelerate/utils/fsdp_utils.py),
+    so that the backward need not gather them again. torch's `FSDPParamGroup.reshard` returns early for such a group
+    after its forward (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py); only the post-backward frees it.
+    A no-grad forward (train.verify_handoff's) has no backward, so those groups would stay gathered in bf16 through
+    the whole rollout (1.6 GB for Qwen3-14B's lm_head). `FSDPModule.reshard` frees them; the next forward gathers
+    them again."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def gathered_parameters(model) -> dict[str, int]:
+    """{name: bytes} of the parameters of a prepared FSDP2 model that this rank holds gathered (unsharded) now: the
+    ones registered as plain tensors rather than as their DTensor shards ({} without FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return {}
+    return {name: p.numel() * p.element_size() for name, p in model.named_parameters()
+            if not isinstance(p, DTensor)}

@@ -1,5 +1,6 @@
 """What a run needs on each GPU, on paper: public model shapes, a memory estimate per GPU, and where each rank's
-sampler engine runs. `python train.py CONFIG dry_run=true world_size=64` prints both (memory_plan.py).
+sampler engine runs. `python train.py CONFIG dry_run=true world_size=64` prints both (memory_plan.py); SFT's
+estimate is `sft_memory_per_gpu` (lines: `sft_memory_lines`; bench/gpu_smoke.py prints it beside the measured peak).
 
 Everything here is arithmetic on numbers (no torch, no model), so a 64-GPU plan can be checked on a laptop and each
 term checked by hand. GB = 10^9 bytes. A GPU's memory is what its driver reports, which is what vLLM's share is taken
@@ -7,10 +8,15 @@ of: an H200's "141 GB" is 143,771 MiB = 150.7 GB, an H100's "80 GB" 81,559 MiB =
 what train.py does:
 - the trainer keeps fp32 master weights (AdamW steps at lr 1e-6 are far below bf16's resolution, so train.py loads
   the policy in fp32 and `mixed_precision: bf16` computes in bf16): 4 B weights + 4 B gradients + 8 B AdamW moments
-  per parameter, divided over the GPUs the policy is sharded over (FSDP);
+  per parameter, divided over the GPUs the policy is sharded over (FSDP). The gradients are sharded because every
+  micro-batch's gradient is reduce-scattered into the shards (train.py's update; sft.py likewise, without
+  `Accelerator.accumulate`, under which FSDP2 keeps each parameter's whole fp32 gradient between micro-batches);
 - under FSDP, the parameters being used are gathered unsharded in bf16: the embedding and output layer (Accelerate's
   FSDP2 keeps the output group gathered from the end of the forward to the backward) and two decoder layers (the one
-  computing and the one prefetched);
+  computing and the one prefetched). A forward without a backward (train.verify_handoff's no-grad check) would leave
+  that output group gathered (reshard_after_forward=False; the root's too, which holds no Qwen3 parameter) through
+  the whole rollout, 1.6 GB of bf16 lm_head at 14B; train.py calls `accel.reshard` after that check, which frees
+  them (tests/test_accel.py shows both on CPU processes), so "while sampling" counts no gathered weights;
 - activations with gradient checkpointing: each layer's input (bf16) for the whole micro-batch, plus one layer's
   recomputation and its gradients (an estimate: ~12 hidden-size and 4 MLP-size bf16 vectors per token, doubled);
 - logits: what the model's forward returns, (T, V), kept to the end of the backward: under FSDP2 the bf16 logits
@@ -28,10 +34,16 @@ what train.py does:
   profile run (a forward of max_num_batched_tokens, the sampler on max_num_seqs rows) and its CUDA graphs
   (`Worker.determine_available_memory`, vllm/v1/worker/gpu_worker.py). During the update it sleeps at level 2
   (vllm/device_allocator/sleep_mode_backend.py, `CuMemBackend.suspend`): weights and KV cache discarded (level 1
-  would copy the weights to CPU RAM), its runtime buffers and CUDA-graph pool copied to CPU RAM, and what it
-  allocated outside its pools stays (VLLM_ASLEEP_GB). The hand-off then wakes the weights and loads every one
-  before the KV cache wakes, a lower peak than sampling. `HFSampler` under FSDP holds its own bf16 copy and a KV
-  buffer per slot; without FSDP it decodes with the trainer's own model.
+  would copy the weights to CPU RAM), its runtime buffers and the pool tagged "cudagraph" copied to CPU RAM, and
+  what it allocated outside its pools stays (VLLM_ASLEEP_GB). The CUDA graphs are in that pool only with the engine
+  argument `sleep_mode_offload_cudagraph=True` (default False: they are captured into torch's own graph pool and
+  stay on the GPU, engine_graphs more while asleep; vllm/compilation/cudagraph_pool.py, `capture_pool`);
+  sampler.VLLMSampler passes it where vLLM has it (0.32 and 0.33 do). The hand-off then wakes the weights and
+  loads every one before the KV cache wakes, a lower peak than sampling. `HFSampler` under FSDP holds its own bf16
+  copy and a KV buffer per slot; without FSDP it decodes with the trainer's own model.
+SFT (`sft_memory_per_gpu`, FSDP2 launches): the same fp32 state and gathered groups; SFT's loss keeps more of the
+logits (SFT_LOGITS_BYTES); and FSDP2's reduce-scatter transient (`reduce_scatter_bytes`: the largest group's bf16
+gradient and its fp32 copy, 4.7 GB at 14B), which the RL update's estimate does not count yet.
 Not counted: allocator fragmentation (blocks that `torch.cuda.empty_cache()` cannot return because live tensors
 share them; sampler.release_cached_memory empties the cache before every wake-up, and bench/gpu_smoke.py measures
 what stays), the code tool's processes (CPU only).
@@ -45,6 +57,10 @@ MASTER_BYTES = 4            # fp32 master weights, gradients and AdamW moments (
 COMPUTE_BYTES = 2           # bf16: gathered weights, activations, the sampler's copy, the KV cache
 LOGITS_BYTES = {True: COMPUTE_BYTES, False: COMPUTE_BYTES + 4}  # by fsdp: bf16 logits, or + Accelerate's fp32 copy
 LOGPROB_CHUNK_ELEMENTS = 1 << 24  # logprobs.CHUNK_ELEMENTS: elements of one fp32 chunk temporary
+# SFT's loss (sft.masked_lm_loss) on FSDP2's bf16 logits, per token and vocabulary entry at its backward's peak: the
+# bf16 logits sft.py holds (2), the fp32 log-softmax cross_entropy keeps for the backward (4), its gradient and the
+# gradient of the fp32 copy (4 + 4). Measured with torch.profiler's allocation records on the CPU: 13.95 B.
+SFT_LOGITS_BYTES = 14
 # The process, outside any budget (estimates): the CUDA context, cuBLAS and allocator workspaces of one process
 # (bench/gpu_smoke.py prints the measured figure), and NCCL's buffers when there is more than one rank: NCCL_BUFFSIZE
 # (4 MiB by NCCL's documentation) per channel and ring peer, up to 32 channels, for each of the trainer's
@@ -196,6 +212,39 @@ def activation_bytes(shape: Shape, tokens: int, gradient_checkpointing: bool) ->
     return shape.layers * layer + layer
 
 
+def reduce_scatter_bytes(shape: Shape) -> int:
+    """FSDP2's largest gradient transient: after a group's backward, its unsharded bf16 gradients and the fp32
+    reduce-scatter input they are copied into (`foreach_reduce`, torch/distributed/fsdp/_fully_shard/
+    _fsdp_collectives.py) are both alive, for the largest group: the output layer and final norm (the embedding
+    too when tied: the same matrix), or one decoder layer."""
+    output_group = shape.vocab * shape.hidden + shape.hidden
+    return (COMPUTE_BYTES + MASTER_BYTES) * max(output_group, shape.layer_params)
+
+
+def sft_memory_per_gpu(shape: Shape, *, shard: int, micro_batch: int, seq_tokens: int, gradient_checkpointing: bool,
+                       world: int = 1) -> dict[str, float]:
+    """Estimated GB per GPU, by term, of sft.py under an FSDP2 launch, where every micro-batch's gradient is
+    reduce-scattered into the shards: fp32 weights, gradients and AdamW moments over `shard` GPUs, no full
+    gradient. (Under `Accelerator.accumulate` FSDP2 would instead keep each parameter's whole fp32 gradient until
+    the accumulation window ends, `to_accumulated_grad_if_needed` in torch/distributed/fsdp/_fully_shard/
+    _fsdp_param.py: 4 B per parameter, 59 GB at 14B, counted nowhere here.) The gathered bf16 groups and the
+    activations are the RL update's (`memory_per_gpu`); the logits are SFT's loss (SFT_LOGITS_BYTES); the largest
+    group's gradient on its way into the reduce-scatter (`reduce_scatter_bytes`). Returns the terms and `peak`."""
+    p, tokens = shape.params, micro_batch * seq_tokens
+    m = {
+        "weights": MASTER_BYTES * p / shard / GB,
+        "grads": MASTER_BYTES * p / shard / GB,
+        "adamw": 2 * MASTER_BYTES * p / shard / GB,
+        "gathered": COMPUTE_BYTES * (shape.embedding_params + 2 * shape.layer_params) / GB,
+        "activations": activation_bytes(shape, tokens, gradient_checkpointing) / GB,
+        "logits": SFT_LOGITS_BYTES * tokens * shape.vocab / GB,
+        "reduce_scatter": reduce_scatter_bytes(shape) / GB,
+        "process": PROCESS_GB + (NCCL_GB if world > 1 else 0.0),
+    }
+    m["peak"] = sum(m.values())
+    return m
+
+
 def engine_layout(world: int, gpus_per_node: int, seed: int, tensor_parallel: int = 1) -> list[dict]:
     """Where each rank's sampler engine runs: one engine per rank on the rank's own GPU (node rank // gpus_per_node,
     device cuda:(rank % gpus_per_node)), seeded seed + rank so ranks draw different rollouts."""
@@ -219,17 +268,25 @@ def engine_lines(cfg, world: int) -> list[str]:
                                                   for e in shown)]
 
 
+def shape_of(model_path: str, model_shape: str = "") -> tuple[Shape, str] | str:
+    """(shape, where it came from) from model_path's config.json or the named public shape; else the plan's line
+    saying why there is no estimate."""
+    config = Path(model_path) / "config.json"
+    if config.is_file():
+        return Shape.from_config(json.loads(config.read_text())), str(config)
+    if model_shape in PUBLIC_CONFIGS:
+        return Shape.from_config(PUBLIC_CONFIGS[model_shape]), f"{model_shape} (public config)"
+    known = ", ".join(PUBLIC_CONFIGS)
+    return f"memory per GPU         no estimate: {config} does not exist yet; give model_shape= ({known})"
+
+
 def memory_lines(cfg, world: int) -> list[str]:
     """The dry-run plan's lines for the memory estimate per GPU (`memory_per_gpu`), from a train.TrainConfig, for
     the model_path's config.json or the named public shape (model_shape)."""
-    config = Path(cfg.model_path) / "config.json"
-    if config.is_file():
-        shape, name = Shape.from_config(json.loads(config.read_text())), str(config)
-    elif cfg.model_shape in PUBLIC_CONFIGS:
-        shape, name = Shape.from_config(PUBLIC_CONFIGS[cfg.model_shape]), f"{cfg.model_shape} (public config)"
-    else:
-        known = ", ".join(PUBLIC_CONFIGS)
-        return [f"memory per GPU         no estimate: {config} does not exist yet; give model_shape= ({known})"]
+    found = shape_of(cfg.model_path, cfg.model_shape)
+    if isinstance(found, str):
+        return [found]
+    shape, name = found
     shard, tokens = min(world, cfg.gpus_per_node), cfg.max_prompt_tokens + cfg.max_response_tokens
     m = memory_per_gpu(shape, shard=shard, fsdp=True, micro_batch=cfg.micro_batch_size, seq_tokens=tokens,
                        gradient_checkpointing=cfg.gradient_checkpointing, sampler=cfg.sampler,
@@ -262,3 +319,27 @@ def memory_lines(cfg, world: int) -> list[str]:
     ] + ([f"  KV CACHE TOO SMALL    {m['kv_cache_tokens']:,.0f} tokens hold less than one rollout of {tokens:,}: "
           "raise vllm_gpu_memory_utilization (the engine's share of the GPU)"]
          if m["kv_cache_tokens"] < tokens else [])
+
+
+def sft_memory_lines(cfg, world: int, gpus_per_node: int = 8, gpu_gb: float = 150.7,
+                     model_shape: str = "") -> list[str]:
+    """The SFT plan's lines (`sft_memory_per_gpu`) from an sft.SFTConfig, for `world` ranks sharding within nodes of
+    `gpus_per_node`, each micro-batch at its longest (micro_batch_size x max_seq_len tokens)."""
+    found = shape_of(cfg.model_path, model_shape)
+    if isinstance(found, str):
+        return [found]
+    shape, name = found
+    shard, tokens = min(world, gpus_per_node), cfg.micro_batch_size * cfg.max_seq_len
+    m = sft_memory_per_gpu(shape, shard=shard, micro_batch=cfg.micro_batch_size, seq_tokens=cfg.max_seq_len,
+                           gradient_checkpointing=cfg.gradient_checkpointing, world=world)
+    over = "" if m["peak"] <= gpu_gb else "  OVER: does not fit"
+    return [
+        f"model                  {name}: {shape.params / 1e9:.2f}B parameters",
+        f"sft memory per GPU     an estimate (memory_plan.py): FSDP2 over {shard} GPUs, fp32 master weights, each "
+        f"micro-batch reduce-scattered, micro-batch {cfg.micro_batch_size} x {cfg.max_seq_len:,} = {tokens:,} "
+        f"tokens, checkpointing {cfg.gradient_checkpointing}",
+        f"  sft step             weights {m['weights']:.1f} + gradients {m['grads']:.1f} + AdamW {m['adamw']:.1f} + "
+        f"gathered bf16 {m['gathered']:.1f} + activations {m['activations']:.1f} + logits {m['logits']:.1f} + "
+        f"reduce-scatter {m['reduce_scatter']:.1f} + process {m['process']:.1f} = {m['peak']:.1f} of {gpu_gb:g} GB"
+        f"{over}",
+    ]

@@ -181,6 +181,9 @@ def check_handoff(engine, trainer, tolerance: float, previous=None) -> str | Non
 VLLM_MIN_VERSION = (0, 16)  # LLM.collective_rpc("reload_weights", weights_iterator=...): in place, re-processed
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU build: KV-cache size when not given (its default is a share of host RAM)
 SLEEP_LEVEL = 2  # 2: weights and KV cache discarded (1 would copy the weights to CPU RAM); update_weights loads all
+# The engine argument that puts the CUDA graphs in the pool sleep copies to CPU RAM (default False: they stay on the
+# GPU while asleep); build_engine passes it True with sleep mode where this vLLM's EngineArgs has it.
+SLEEP_OFFLOAD_CUDAGRAPH = "sleep_mode_offload_cudagraph"
 
 
 class VLLMSampler:
@@ -207,9 +210,14 @@ class VLLMSampler:
     run's peak and its CUDA graphs (`Worker.determine_available_memory`, vllm/v1/worker/gpu_worker.py). With sleep
     mode, `sleep()` after a rollout uses level 2: the weights and the KV cache are discarded (level 1 would copy the
     weights to CPU RAM; nothing needs them here, since `update_weights` loads every weight); at either level the
-    engine's runtime buffers and CUDA-graph pool are copied to CPU RAM (`CuMemBackend.suspend`,
+    engine's runtime buffers and its pool tagged "cudagraph" are copied to CPU RAM (`CuMemBackend.suspend`,
     vllm/device_allocator/sleep_mode_backend.py), and what it allocated outside its pools stays (communicators'
-    buffers, FlashInfer's workspace, the model runner's persistent inputs). `update_weights` hands torch's cached blocks back
+    buffers, FlashInfer's workspace, the model runner's persistent inputs). The CUDA graphs are captured into that
+    pool only with `sleep_mode_offload_cudagraph=True` (an engine argument in vLLM 0.32 and 0.33, default False;
+    `VllmConfig.use_cumem_cudagraph_pool`, vllm/config/vllm.py, and `capture_pool`,
+    vllm/compilation/cudagraph_pool.py); otherwise they go to torch's own graph pool, which sleep does not touch,
+    so they would stay on the GPU. `build_engine` turns it on wherever sleep mode is on and vLLM has the argument
+    (`SLEEP_OFFLOAD_CUDAGRAPH`). `update_weights` hands torch's cached blocks back
     to the driver (`release_cached_memory`), wakes the weights (the runtime and graph pools come back with them),
     loads all of them, releases again and wakes the KV cache last: the lowest peak. Generating after `sleep()`
     without an update in between is refused (the weights are gone). Platforms without sleep mode (vLLM's CPU build)
@@ -382,6 +390,8 @@ def build_engine(**kwargs):
                          f"(in-place reload_weights with a weights iterator), found {vllm.__version__}")
     if kwargs.get("enable_sleep_mode") is None:
         kwargs["enable_sleep_mode"] = current_platform.is_sleep_mode_available()
+    if kwargs["enable_sleep_mode"] and engine_has_argument(vllm, SLEEP_OFFLOAD_CUDAGRAPH):
+        kwargs.setdefault(SLEEP_OFFLOAD_CUDAGRAPH, True)  # the graphs to CPU RAM while asleep, not kept on the GPU
     if current_platform.is_cpu() and "kv_cache_memory_bytes" not in kwargs \
             and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
@@ -400,6 +410,14 @@ def build_engine(**kwargs):
             os.environ.pop("LD_PRELOAD", None)
         else:
             os.environ["LD_PRELOAD"] = preload
+
+
+def engine_has_argument(vllm, name: str) -> bool:
+    """Does this vLLM's `EngineArgs` (what `vllm.LLM`'s keywords become) have a field `name`? An older vLLM
+    refuses a keyword it does not know."""
+    import dataclasses
+    engine_args = getattr(vllm, "EngineArgs", None)
+    return dataclasses.is_dataclass(engine_args) and name in {f.name for f in dataclasses.fields(engine_args)}
 
 
 def _rng_states() -> tuple:

@@ -21,15 +21,18 @@ to train on: train.py's rewards follow a fixed pattern here (every other rollout
 sizes a real step does. eval.py scores with the real reward (Math-Verify in its worker processes).
 
 Prints, per phase (SFT steps, RL rollout, RL update, evaluation): tokens, seconds, tokens/s, peak GPU memory next to
-memory_plan.py's estimate, and for the two updates the model FLOP utilisation: model FLOPs per token 6N + 12 L H Q T
-(N the parameters of the matrix products, the output layer included; L layers, H heads of Q dimensions, T the
-sequence's length; Chowdhery et al. 2022, "PaLM", appendix B; the recomputation of gradient checkpointing is not
-counted) over the GPU's dense bf16 peak (`PEAK_BF16_TFLOPS`: NVIDIA's H100/H200 SXM datasheets give 1,979 TFLOP/s
-with 2:4 sparsity, 989.5 dense; AMD's MI300X datasheet 1,307.4 dense) and over a bf16 matrix product timed there
-(8192^3), the ceiling in practice. Also: the FSDP2 policy of the prepared model (bf16 parameters, fp32 reduction),
-the process's memory outside torch's allocator (CUDA context and libraries: memory_plan.PROCESS_GB's estimate), what
-torch keeps reserved after the update and an `empty_cache()` (fragmentation, which the plan does not count), and one
-call of the code tool (a random model never calls it).
+memory_plan.py's estimate (SFT's: `sft_memory_per_gpu`, by term), and for the two updates the model FLOP utilisation:
+model FLOPs per token 6N + 12 L H Q T (N the parameters of the matrix products, the output layer included; L layers, H
+heads of Q dimensions, T the sequence's length; Chowdhery et al. 2022, "PaLM", appendix B; the recomputation of
+gradient checkpointing is not counted) over the GPU's dense bf16 peak (`PEAK_BF16_TFLOPS`: NVIDIA's H100/H200 SXM
+datasheets give 1,979 TFLOP/s with 2:4 sparsity, 989.5 dense; AMD's MI300X datasheet 1,307.4 dense) and over a bf16
+matrix product timed there (8192^3), the ceiling in practice. Also: the FSDP2 policy of the prepared model (bf16
+parameters, fp32 reduction), the learning rate each run logged after its first steps beside its configured schedule
+(sft.lr_factor, a quarter of the steps as warm-up here; train.py's lr x min(1, (t + 1) / warmup_steps) with 4 warm-up
+steps, longer than the run; on one process, where Accelerate stepping a prepared scheduler once per process for each
+optimizer step changes nothing), the process's memory outside torch's allocator (CUDA context and libraries:
+memory_plan.PROCESS_GB's estimate), what torch keeps reserved after the update and an `empty_cache()` (fragmentation,
+which the plan does not count), and one call of the code tool (a random model never calls it).
 
 What it settles: that the three entry points run on a GPU at the real shape in bf16 under FSDP2 with checkpointing,
 what each phase costs in memory against the plan, and how fast the trainer's updates are. What it cannot: vLLM (not
@@ -43,7 +46,8 @@ check installs the wheels it finds there into its work folder when math-verify i
 stops with one line saying so.
 
 Exits non-zero on a failed entry point (train.py's hand-off check stops it), a non-finite loss or gradient norm, an
-update with nothing to train on, a policy that does not reduce gradients in fp32, or a run over the time limit.
+update with nothing to train on, a policy that does not reduce gradients in fp32, a logged lr off its schedule, or
+a run over the time limit.
 """
 import argparse
 import importlib.util
@@ -62,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from memory_plan import COMPUTE_BYTES, GB, PUBLIC_CONFIGS, Shape, memory_per_gpu  # noqa: E402
+from memory_plan import COMPUTE_BYTES, GB, PUBLIC_CONFIGS, Shape, memory_per_gpu, sft_memory_per_gpu  # noqa: E402
 
 TIME_LIMIT_S = {"gpu": 450, "cpu": 170}  # whole check, start-up included: 8 and 3 minutes with room to report
 WHEELS = ROOT / ".cache" / "wheels"      # math-verify and its two dependencies (make smoke-wheels)
@@ -138,6 +142,35 @@ def matmul_tflops(n: int = MATMUL_N, repeats: int = 10) -> float | None:
     del a, b
     torch.cuda.empty_cache()
     return rate
+
+
+# ------------------------------------------------------------------------------ the learning rate
+def rl_schedule(t: int, lr: float, warmup_steps: int) -> float:
+    """train.py's configured lr before optimizer step t (0-based): lr * min(1, (t + 1) / warmup_steps)."""
+    return lr * min(1.0, (t + 1) / max(warmup_steps, 1))
+
+
+def lr_comparison(rows: list[dict], key: str, schedule, per_step: int = 1, first: int = 4) -> list[tuple]:
+    """(step, logged lr, scheduled lr) for the first `first` metrics rows that have `key`. Both entry points log
+    get_last_lr() after the step's scheduler.step(): the lr of the next optimizer step, so the schedule is read at
+    t = optimizer steps done = step x per_step (updates_per_step for train.py, 1 for sft.py)."""
+    logged = [(r["step"], r[key]) for r in rows if key in r][:first]
+    return [(step, lr, schedule(step * per_step)) for step, lr in logged]
+
+
+def lr_line(name: str, comparison: list[tuple], rel: float = 1e-4) -> tuple[str, str | None]:
+    """One printed line of logged against scheduled lr, and a problem (None when every row agrees to `rel`). In a
+    warm-up, a logged lr above the schedule's is a warm-up running that many times too fast."""
+    if not comparison:
+        return f"lr       {name}: no lr logged", None
+    cells = ", ".join(f"step {s} {got:.3g} (schedule {want:.3g})" for s, got, want in comparison)
+    off = [(s, got, want) for s, got, want in comparison if abs(got - want) > rel * abs(want)]
+    if not off:
+        return f"lr       {name}: {cells}: as scheduled", None
+    s, got, want = off[0]
+    ratio = f"{got / want:.3g}x " if want else ""
+    return (f"lr       {name}: {cells}: NOT as scheduled",
+            f"{name} lr at step {s} is {got:.3g}, {ratio}the schedule's {want:.3g}")
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -362,11 +395,12 @@ def main() -> None:
         sft_args = [f"model_path={files['model']}", f"data={files['sft']}", f"out_dir={work / 'sft'}", "epochs=1",
                     f"max_steps={sizes['sft_steps']}", f"batch_size={sizes['sft_batch']}",
                     f"micro_batch_size={sizes['sft_micro']}", "max_seq_len=8192", "log_every=1", "save_every=0",
+                    "warmup_ratio=0.25",  # a warm-up of several steps, whose lr the report checks
                     *precision, *common]
         launch("sft", ["configs/qwen3-0.6b/sft.yaml", *sft_args], mode, sizes, env, deadline)
         rl_args = ["configs/qwen3-0.6b/stage1.yaml", f"model_path={work / 'sft' / 'model'}",
                    f"data=[{files['problems']}]", f"out_dir={work / 'rl'}", "sampler=hf", "eval_data=null",
-                   "save_every=1000", "max_turns=2", "tool_workers=2", "warmup_steps=1", *precision, *common]
+                   "save_every=1000", "max_turns=2", "tool_workers=2", "warmup_steps=4", *precision, *common]
         rl_args += [f"{k}={v}" for k, v in sizes["rl"].items()]
         launch("train", rl_args, mode, sizes, env, deadline)
         eval_args = ["configs/qwen3-0.6b/eval.yaml", f"model_path={work / 'rl' / 'model'}",
@@ -375,6 +409,27 @@ def main() -> None:
         launch("eval", eval_args, mode, sizes, env, deadline, accelerate=False)
         lengths = sft_lengths(files["model"], files["sft"], sizes["system_prompt"])
         report(work, mode, sizes, lengths, time.perf_counter() - t_start, tool)
+
+
+def lr_lines(work: Path, sft_rows: list[dict], rl_rows: list[dict]) -> list[tuple[str, str | None]]:
+    """The lr lines (`lr_line`) of both runs, the schedules read from the config.yaml each run saved: sft.lr_factor
+    over the run's steps, and train.py's warm-up (`rl_schedule`)."""
+    import yaml
+    from sft import lr_factor
+    out = []
+    if (work / "sft" / "config.yaml").is_file():
+        c = yaml.safe_load((work / "sft" / "config.yaml").read_text())
+        total = max([r["step"] for r in sft_rows], default=1)  # max_steps: the run's last step
+        warmup = max(1, round(c["warmup_ratio"] * total))
+        comparison = lr_comparison(sft_rows, "sft/lr",
+                                   lambda t: c["lr"] * lr_factor(t, warmup, total, c.get("decay_ratio", 1.0)))
+        out.append(lr_line(f"sft (peak {c['lr']:g}, warm-up {warmup} of {total} steps)", comparison))
+    if (work / "rl" / "config.yaml").is_file():
+        c = yaml.safe_load((work / "rl" / "config.yaml").read_text())
+        comparison = lr_comparison(rl_rows, "loss/lr", lambda t: rl_schedule(t, c["lr"], c["warmup_steps"]),
+                                   per_step=c.get("updates_per_step", 1))
+        out.append(lr_line(f"rl (lr {c['lr']:g}, warm-up {c['warmup_steps']} steps)", comparison))
+    return out
 
 
 def report(work: Path, mode: str, sizes: dict, sft_lengths_: list[int], wall: float, tool: str = "") -> None:
@@ -414,11 +469,13 @@ def report(work: Path, mode: str, sizes: dict, sft_lengths_: list[int], wall: fl
     seconds = sum(r["perf/seconds"] for r in steady)
     tokens = sum(r["perf/tokens_per_s"] * r["perf/seconds"] for r in steady)
     per_token = model_flops(shape, sft_lengths_) / sum(sft_lengths_)
-    sft_plan = plan(micro_batch=sizes["sft_micro"], seq_tokens=max(sft_lengths_), sampler="none")
+    sft_plan = sft_memory_per_gpu(shape, shard=1, micro_batch=sizes["sft_micro"], seq_tokens=max(sft_lengths_),
+                                  gradient_checkpointing=True)
     print(f"sft      {len(sft_rows)} steps of {sizes['sft_batch']} conversations ({min(sft_lengths_)}-"
           f"{max(sft_lengths_)} tokens), steady steps: {tokens:,.0f} tokens in {seconds:.2f} s = "
           f"{tokens / seconds:,.0f} tokens/s, {mfu(per_token * tokens, seconds)}")
-    print(f"         {memory(sft['memory'], sft_plan['update_peak'])} (train.py's terms)")
+    print(f"         {memory(sft['memory'], sft_plan['peak'])} (memory_plan.sft_memory_per_gpu: "
+          + " + ".join(f"{k} {v:.2f}" for k, v in sft_plan.items() if k != "peak") + ")")
     if not all(math.isfinite(r["sft/loss"]) for r in sft_rows):
         problems.append("sft: non-finite loss")
 
@@ -453,6 +510,12 @@ def report(work: Path, mode: str, sizes: dict, sft_lengths_: list[int], wall: fl
         problems.append(f"the prepared model's FSDP2 policy reduces in {reduce or 'nothing (no FSDP2 modules)'}, "
                         "not torch.float32")
     print(f"hand-off passed at the start and after each of the {len(rl_rows)} steps (train.py stops otherwise)")
+
+    # the learning rate of the first steps against the configured schedules
+    for line, problem in lr_lines(work, sft_rows, rl_rows):
+        print(line)
+        if problem:
+            problems.append(problem)
 
     # evaluation
     kv_tokens = sizes["eval"]["batch_size"] * ev["eval_longest"]  # HFSampler's slots x the longest rollout

@@ -4,7 +4,10 @@ MODE policy: a tiny Qwen3 prepared by the Accelerator that sft.py and train.py b
 through tests/cpu_fsdp.py), or by Accelerate's own default (MODE default-policy), one forward/backward in bf16 over
 gloo; each rank writes rank{R}.json with the FSDP2 policy of the prepared model and the dtype of its gradients.
 MODE timeout: the process group's timeout, seen at work: rank 1 joins an all_reduce 20 s late and rank 0 writes
-how long it waited and what it got (accel.make_accelerator(timeout_s=3))."""
+how long it waited and what it got (accel.make_accelerator(timeout_s=3)).
+MODE reshard: two tiny Qwen3s prepared together, tiny_model's (tied embeddings) and one with an untied lm_head (as
+Qwen3-14B has); for each, what every rank holds gathered (accel.gathered_parameters) after a no-grad forward, after
+accel.reshard, after a second no-grad forward and reshard (are the logits the same), and after a forward/backward."""
 import json
 import os
 import sys
@@ -38,6 +41,35 @@ if __name__ == "__main__":
         (out / f"rank{rank}.json").write_text(json.dumps({"waited_s": time.perf_counter() - t0, "error": error}))
         os._exit(0)  # the group is broken: skip the shutdown's collectives
     from transformers import Qwen3Config, Qwen3ForCausalLM
+    if mode == "reshard":
+        import tiny_model
+        acc = accel.make_accelerator(mixed_precision="bf16", report_to=None, out_dir=str(out), timeout_s=60)
+        torch.manual_seed(0)
+        tied = tiny_model.build_model(tiny_model.build_tokenizer(), hidden=32, layers=2, heads=2)
+        untied = Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                              vocab_size=64, tie_word_embeddings=False))
+        record = {}
+        for name, model in (("tied", tied), ("untied", untied)):
+            model, _ = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))  # as train.py does
+            ids = torch.randint(0, 64, (1, 8))
+            seen = {}
+            with torch.no_grad():
+                first = model(input_ids=ids).logits.float()
+            seen["after_forward"] = accel.gathered_parameters(model)
+            accel.reshard(model)
+            seen["after_reshard"] = accel.gathered_parameters(model)
+            with torch.no_grad():
+                again = model(input_ids=ids).logits.float()
+            accel.reshard(model)
+            seen["after_second_reshard"] = accel.gathered_parameters(model)
+            seen["same_logits"] = torch.equal(first, again)
+            acc.backward(model(input_ids=ids, labels=ids).loss)
+            seen["after_backward"] = accel.gathered_parameters(model)
+            seen["grads"] = sum(p.grad is not None for p in model.parameters())
+            record[name] = seen
+        (out / f"rank{rank}.json").write_text(json.dumps(record))
+        sys.exit(0)
     if mode == "default-policy":
         import accelerate
         acc = accelerate.Accelerator(cpu=True, mixed_precision="bf16")

@@ -47,6 +47,33 @@ def test_accelerate_s_own_policy_would_reduce_in_bf16(tmp_path):
     assert {tuple(v) for r in ranks for v in r["policy"].values()} == {("torch.bfloat16", "torch.bfloat16")}
 
 
+def test_a_no_grad_forward_leaves_the_output_group_gathered_and_reshard_frees_it(tmp_path):
+    """Accelerate shards the final norm and lm_head (tied: with the embedding) with reshard_after_forward=False, so a
+    no-grad forward (train.verify_handoff's) leaves them gathered in bf16 on every rank, unsharded size; the backward
+    frees them, and so does accel.reshard, after which a forward gathers them again and gives the same logits."""
+    done, ranks = launch("configs/accelerate/fsdp_1node_8gpu.yaml", "reshard", tmp_path, 29654, {"CPU_FSDP": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(ranks) == 2
+    from tiny_model import build_tokenizer
+    vocab = len(build_tokenizer())  # 118
+    for rank in ranks:
+        # the whole tensors in bf16 (2 bytes), not a shard: vocab x 32 embedding, 64 x 32 lm_head, norm of 32
+        assert rank["tied"]["after_forward"] == {"model.embed_tokens.weight": vocab * 32 * 2, "model.norm.weight": 64}
+        assert rank["untied"]["after_forward"] == {"lm_head.weight": 64 * 32 * 2, "model.norm.weight": 64}
+        for model in ("tied", "untied"):
+            seen = rank[model]
+            assert seen["after_reshard"] == seen["after_second_reshard"] == seen["after_backward"] == {}
+            assert seen["same_logits"] and seen["grads"] > 0
+
+
+def test_reshard_and_gathered_parameters_do_nothing_without_fsdp():
+    import torch
+    model = torch.nn.Linear(3, 2)
+    before = model.weight.detach().clone()
+    accel.reshard(model)
+    assert accel.gathered_parameters(model) == {} and torch.equal(model.weight, before)
+
+
 def test_the_timeout_reaches_the_process_group(tmp_path):
     """timeout_s=3: rank 0 gives up on a collective rank 1 joins 20 s late, after about 3 s, with gloo's timeout."""
     done, ranks = launch("configs/accelerate/cpu_2proc.yaml", "timeout", tmp_path, 29653, mixed="no")

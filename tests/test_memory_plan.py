@@ -5,7 +5,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import train
-from memory_plan import GB, PUBLIC_CONFIGS, Shape, engine_layout, logprob_chunk_bytes, memory_per_gpu
+from memory_plan import (GB, PUBLIC_CONFIGS, Shape, engine_layout, logprob_chunk_bytes, memory_per_gpu,
+                         sft_memory_lines, sft_memory_per_gpu)
 
 TOY = Shape(layers=2, hidden=4, intermediate=8, heads=2, kv_heads=1, head_dim=2, vocab=10, tied=False)
 
@@ -119,3 +120,75 @@ def test_dry_run_prints_engines_and_memory_for_64_gpus(capsys):
     out = capsys.readouterr().out
     assert "= 48.9 of 40 GB  OVER: does not fit" in out  # the update
     assert "KV CACHE TOO SMALL" in out  # half of 40 GB does not even hold the engine's 29.5 GB of weights
+
+
+def test_sft_terms_by_hand():
+    """SFT under FSDP2 over 2 GPUs, every micro-batch reduce-scattered: sharded fp32 state, no full gradient."""
+    m = {k: v * GB for k, v in sft_memory_per_gpu(TOY, shard=2, micro_batch=1, seq_tokens=5,
+                                                  gradient_checkpointing=True).items()}
+    expected = {
+        "weights": 4 * 396 / 2, "grads": 4 * 396 / 2, "adamw": 8 * 396 / 2,  # all sharded: 792 B, not 1,584
+        "gathered": 2 * (2 * 10 * 4 + 2 * 156),
+        "activations": 2 * 5 * 4 * 2 + 2 * 5 * (12 * 4 + 4 * 8) * 2,
+        "logits": 14 * 5 * 10,                 # bf16 logits + fp32 log-softmax + two fp32 gradients
+        "reduce_scatter": (2 + 4) * 156,       # a decoder layer (156) outweighs the output group (10 x 4 + 4)
+        "process": 0.6e9,
+    }
+    assert m.keys() == expected.keys() | {"peak"}
+    for key, value in expected.items():
+        assert m[key] == pytest.approx(value), key
+    assert m["peak"] == pytest.approx(792 + 792 + 1584 + 784 + 1680 + 700 + 936 + 0.6e9)
+
+
+def test_the_sft_logits_term_is_what_masked_lm_loss_holds():
+    """SFT_LOGITS_BYTES against torch.profiler's allocation records of sft.masked_lm_loss's forward and backward
+    on bf16 logits (FSDP2's), the largest running sum per token and vocabulary entry (12 B if sft.py let go of
+    the bf16 logits before its backward)."""
+    import sft
+    from memory_plan import SFT_LOGITS_BYTES
+    T, V, H = 64, 4096, 16
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, T, H, generator=g).requires_grad_()
+    weight = torch.randn(V, H, generator=g).bfloat16()
+    labels = torch.randint(V, (1, T), generator=g)
+
+    def step():  # as sft.py's loop: its `logits` variable holds the bf16 logits through the backward
+        logits = h.bfloat16() @ weight.T
+        sft.masked_lm_loss(logits, labels).backward()
+
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    running = peak = 0
+    records = prof.profiler.kineto_results.events()
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in records if e.name() == "[memory]"):
+        running += nbytes
+        peak = max(peak, running)
+    assert SFT_LOGITS_BYTES - 0.5 < peak / (T * V) <= SFT_LOGITS_BYTES
+
+
+def test_sft_of_qwen3_14b_on_8_gpus_by_hand():
+    """configs/qwen3-14b/sft.yaml on nodes of 8 H200s: 1 x 8,192 tokens a micro-batch, checkpointing."""
+    P = 14_768_307_200
+    m = sft_memory_per_gpu(Shape.from_config(PUBLIC_CONFIGS["qwen3-14b"]), shard=8, micro_batch=1,
+                           seq_tokens=8192, gradient_checkpointing=True, world=64)
+    assert m["grads"] == pytest.approx(4 * P / 8 / 1e9)  # 7.4 GB; a whole fp32 gradient would be 59.1 GB
+    assert m["logits"] == pytest.approx(14 * 8192 * 151_936 / 1e9)  # 17.4 GB
+    assert m["reduce_scatter"] == pytest.approx(6 * (151_936 * 5120 + 5120) / 1e9)  # lm_head + norm: 4.7 GB
+    assert m["gathered"] == pytest.approx(2 * (2 * 151_936 * 5120 + 2 * 330_311_936) / 1e9)
+    assert m["peak"] == pytest.approx(16 * P / 8 / 1e9 + m["gathered"] + m["activations"] + m["logits"]
+                                      + m["reduce_scatter"] + 1.6)
+    assert round(m["peak"], 1) == 65.3
+
+
+def test_sft_memory_lines_for_the_14b_config():
+    from config import load_config
+    from sft import SFTConfig
+    cfg = load_config(SFTConfig, ["configs/qwen3-14b/sft.yaml"])
+    out = "\n".join(sft_memory_lines(cfg, 64, model_shape="qwen3-14b"))
+    assert "FSDP2 over 8 GPUs" in out and "micro-batch 1 x 8,192 = 8,192 tokens" in out
+    assert "gradients 7.4 + AdamW 14.8" in out and "logits 17.4 + reduce-scatter 4.7" in out
+    assert out.endswith("= 65.3 of 150.7 GB")
+    small = "\n".join(sft_memory_lines(cfg, 1, model_shape="qwen3-14b", gpu_gb=85.5))  # unsharded on one GPU
+    assert "FSDP2 over 1 GPUs" in small and small.endswith("OVER: does not fit")
+    assert "no estimate" in sft_memory_lines(cfg, 8)[0]  # no config.json, no model_shape

@@ -421,11 +421,20 @@ class FakeEngine:
         return outs
 
 
+@dataclass
+class FakeEngineArgs:
+    """Shaped like vllm.EngineArgs (0.32, 0.33): the fields VLLMSampler may pass, the sleep-mode ones included."""
+    model: str = ""
+    enable_sleep_mode: bool = False
+    sleep_mode_offload_cudagraph: bool = False
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch):
     """A `vllm` package with LLM, SamplingParams, the platform (a GPU with sleep mode) and the version."""
     module = types.ModuleType("vllm")
     module.LLM, module.SamplingParams, module.__version__ = FakeLLM, FakeSamplingParams, "0.33.0"
+    module.EngineArgs = FakeEngineArgs
     platforms = types.ModuleType("vllm.platforms")
     platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: False, is_sleep_mode_available=lambda: True)
     sampling = types.ModuleType("vllm.sampling_params")
@@ -442,6 +451,7 @@ def test_vllm_sampler_builds_the_engine_and_requests(fake_vllm):
     (llm,) = FakeLLM.instances
     assert llm.kwargs["model"] == "some/model" and llm.kwargs["enforce_eager"] is True
     assert llm.kwargs["enable_sleep_mode"] is True and llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    assert llm.kwargs["sleep_mode_offload_cudagraph"] is True  # the CUDA graphs go to CPU RAM while asleep
     assert llm.kwargs["seed"] == 5 and llm.kwargs["gpu_memory_utilization"] == 0.4
     assert "kv_cache_memory_bytes" not in llm.kwargs and llm.kwargs["tensor_parallel_size"] == 1  # a GPU
     import os
@@ -497,6 +507,24 @@ def test_vllm_sampler_sleeps_at_level_2_and_loads_every_weight_before_generating
                        ("wake_up", ("kv_cache",))]
     sampler.generate([[1]], [4])
     assert llm.log[-1][0] == "generate"
+
+
+def test_the_cuda_graphs_are_offloaded_only_with_sleep_mode_and_where_vllm_has_the_argument(fake_vllm,
+                                                                                            monkeypatch):
+    VLLMSampler("some/model", enable_sleep_mode=False)  # vLLM's CPU build: no sleep, no graphs to offload
+    VLLMSampler("some/model", sleep_mode_offload_cudagraph=False)  # the caller's choice is kept
+
+    @dataclass
+    class OlderEngineArgs:  # a vLLM without the argument refuses unknown keywords: it must not be passed
+        model: str = ""
+        enable_sleep_mode: bool = False
+
+    monkeypatch.setattr(fake_vllm, "EngineArgs", OlderEngineArgs)
+    VLLMSampler("some/model")
+    no_sleep, kept, older = FakeLLM.instances
+    assert "sleep_mode_offload_cudagraph" not in no_sleep.kwargs and no_sleep.kwargs["enable_sleep_mode"] is False
+    assert kept.kwargs["sleep_mode_offload_cudagraph"] is False
+    assert "sleep_mode_offload_cudagraph" not in older.kwargs and older.kwargs["enable_sleep_mode"] is True
 
 
 def test_vllm_sampler_without_sleep_mode_never_sleeps(fake_vllm, tiny):
