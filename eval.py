@@ -406,6 +406,11 @@ def rank_share(count: int, rank: int, world: int) -> list[int]:
     return list(range(rank, count, world))
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """The sampling seed of `rank`: seed + rank, kept within the 32 bits numpy's seeding takes."""
+    return (seed + rank) % 2**32
+
+
 def barrier(world: int) -> None:
     """Wait for every rank (nothing to wait for on one process)."""
     if world > 1:
@@ -505,9 +510,9 @@ def load_model(cfg: EvalConfig):
     if cfg.sampler == "vllm":
         # Under a launcher, one engine per rank on the rank's own GPU (vLLM's external launcher), seeded seed + rank.
         launcher = {"distributed_executor_backend": "external_launcher"} if world > 1 else {}
-        return VLLMSampler(cfg.model_path, im_end_id=tokenizer.convert_tokens_to_ids(IM_END), seed=cfg.seed + rank,
-                           tensor_parallel_size=cfg.vllm_tensor_parallel_size, dtype=cfg.vllm_dtype,
-                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        return VLLMSampler(cfg.model_path, im_end_id=tokenizer.convert_tokens_to_ids(IM_END),
+                           seed=rank_seed(cfg.seed, rank), tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                           dtype=cfg.vllm_dtype, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                            enforce_eager=cfg.vllm_enforce_eager, enable_sleep_mode=False,  # nothing trains here
                            **launcher), tokenizer
     model.to("cuda" if torch.cuda.is_available() else "cpu")  # "cuda": the rank's GPU (PartialState set it)
@@ -570,7 +575,7 @@ def run(cfg: EvalConfig) -> dict | None:
                 say(f"{name}: {len(problems)} problems x {k} samples" + (f" on {world} ranks" if world > 1 else ""))
                 # Each benchmark's samples do not depend on which benchmarks ran before it; each rank samples its
                 # own rollouts (seed + rank: one process has rank 0, so its samples are those of before).
-                set_seed(cfg.seed + rank)
+                set_seed(rank_seed(cfg.seed, rank))
                 start = time.perf_counter()
                 mine = rank_share(len(problems), rank, world)
                 trajs, timeouts = roll_and_score(

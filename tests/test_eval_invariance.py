@@ -45,8 +45,8 @@ def launch(world: int, root: Path, out: Path, seen: Path | None = None, crash_on
         env["SEEN_DIR"] = str(seen)
     if crash_on is not None:
         env["CRASH_ON"] = crash_on
-    starter = [sys.executable] if world == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port())]
+    starter = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                                   str(world), "--master_port", str(free_port())]
     args = ["configs/tiny/eval.yaml", f"model_path={root / 'model'}", f"samples={SAMPLES}", f"out_dir={out}",
             "benchmarks=[" + ",".join(str(root / f"{name}.jsonl") for name in BENCHES) + "]",
             "tool_backend=subprocess", "tool_workers=1", "torch_threads=1"]
@@ -134,8 +134,8 @@ def test_eval_invariance_each_problem_is_played_by_one_rank_with_that_ranks_seed
 
 
 def test_eval_invariance_crash_at_two_ranks_then_resume_at_three(runs, tmp_path):
-    """The main process dies in benchmark b (its first problem, which rank 0 plays: a is on disk by then). Three ranks then agree that a is done, play b and c only, and
-    the folder ends as the one-process run's."""
+    """The main process dies in benchmark b (at its first problem, which rank 0 plays: a is on disk by then).
+    Three ranks then agree that a is done, play b and c only, and the folder ends as the one-process run's."""
     out = tmp_path / "out"
     crashed = launch(2, runs["root"], out, crash_on="Say 20.")
     assert crashed.returncode != 0 and "scripted crash on 'Say 20.'" in crashed.stderr
@@ -156,3 +156,18 @@ def test_eval_vllm_tensor_parallel_under_a_launcher_is_a_config_error(tmp_path, 
     with pytest.raises(SystemExit, match=r"config error: vllm_tensor_parallel_size=2 under a launcher with 2 "):
         ev.run(cfg)
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_vllm_under_a_launcher_is_one_engine_per_rank_seeded_seed_plus_rank(tmp_path, monkeypatch):
+    """vLLM is not installed here: the arguments load_model gives VLLMSampler on rank 1 of 2."""
+    import sampler
+    from tiny_model import build_tokenizer
+    build_tokenizer().save_pretrained(tmp_path / "model")
+    built = []
+    monkeypatch.setattr(sampler, "VLLMSampler", lambda *args, **kwargs: built.append(kwargs) or "engine")
+    monkeypatch.setattr(ev, "rank_of_process", lambda: (1, 2))
+    ev.load_model(ev.EvalConfig(model_path=str(tmp_path / "model"), sampler="vllm", seed=3))
+    monkeypatch.setattr(ev, "rank_of_process", lambda: (0, 1))
+    ev.load_model(ev.EvalConfig(model_path=str(tmp_path / "model"), sampler="vllm", seed=3))
+    assert (built[0]["seed"], built[0]["distributed_executor_backend"]) == (4, "external_launcher")
+    assert built[1]["seed"] == 3 and "distributed_executor_backend" not in built[1]
