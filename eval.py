@@ -562,8 +562,8 @@ def run(cfg: EvalConfig) -> dict | None:
     if len(todo) < len(benches):
         say(f"kept from the earlier run in {out}: {', '.join(results)} (overwrite=true evaluates them again)")
     if todo:
-        say(f"{cpu_threads.set_torch_threads(cfg.torch_threads)} torch thread(s)"
-            + (f" on each of {world} ranks" if world > 1 else ""))
+        threads = cpu_threads.set_torch_threads(cfg.torch_threads)  # on every rank
+        say(f"{threads} torch thread(s)" + (f" on each of {world} ranks" if world > 1 else ""))
         sampler, tokenizer = load_model(cfg)
         fmt = chat_format_of(cfg)
         tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
