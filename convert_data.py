@@ -28,7 +28,8 @@ Sources:
   solution is kept only when every call runs without error and prints what the dataset recorded (whitespace
   aside), so the prose after each call still describes what the tool showed.
 Files: .parquet (needs `pip install pyarrow`), .jsonl, or a folder of .json files; `hub` downloads DAPO's parquet
-file with huggingface_hub (installed with transformers).
+file with huggingface_hub (installed with transformers). When the hub cannot be reached (no network, HF_HUB_OFFLINE=1)
+it stops with one line: download the file elsewhere and give its path instead of `hub`.
 
 Cleaning, each step counted in the summary line: problems are compared after collapsing whitespace; repeats of a
 problem with the same answer are dropped, problems with conflicting answers are dropped entirely; answers that are
@@ -38,6 +39,7 @@ math500}.jsonl) are dropped.
 """
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -191,6 +193,38 @@ def convert(rows: list[dict], kind: str, source: str, eval_problems: set[str], i
     return out, counts
 
 
+def hub_unreachable_errors() -> tuple[type, ...]:
+    """What huggingface_hub raises when the hub cannot be reached: LocalEntryNotFoundError (the file's metadata could
+    not be fetched, for want of a connection, under HF_HUB_OFFLINE=1 or with the hub down, and no copy is cached),
+    OfflineModeIsEnabled (a request under HF_HUB_OFFLINE=1), and its HTTP client's transport errors (a connection
+    lost mid-download, after its retries): httpx2 in huggingface_hub 2.x, httpx in 1.x, requests before."""
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+    errors = [LocalEntryNotFoundError, OfflineModeIsEnabled]
+    for module, names in (("httpx2", ["TransportError"]), ("httpx", ["TransportError"]),
+                          ("requests", ["ConnectionError", "Timeout"])):
+        try:
+            imported = __import__(module)
+        except ImportError:
+            continue
+        errors += [getattr(imported, name) for name in names]
+    return tuple(errors)
+
+
+def download_dapo(output: str) -> str:
+    """The local path of DAPO-Math-17k's parquet file, downloaded from the hub (or its cache); one line saying how
+    to give the file instead when the hub cannot be reached."""
+    from huggingface_hub import hf_hub_download
+    try:
+        return hf_hub_download(*DAPO_HUB, repo_type="dataset")
+    except hub_unreachable_errors() as e:
+        repo, file = DAPO_HUB
+        offline = ", HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes",
+                                                                                                "on") else ""
+        raise SystemExit(f"convert_data: the Hugging Face hub could not be reached ({type(e).__name__}{offline}); "
+                         f"download {file} from https://huggingface.co/datasets/{repo} and give its path: "
+                         f"python convert_data.py dapo {Path(file).name} {output}") from None
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,8 +244,7 @@ def main(argv=None) -> None:
     if args.input == "hub":
         if args.kind != "dapo":
             raise SystemExit("convert_data: `hub` downloads DAPO-Math-17k only; give MATH as a local file or folder")
-        from huggingface_hub import hf_hub_download
-        path, source = hf_hub_download(*DAPO_HUB, repo_type="dataset"), DAPO_HUB[0]
+        path, source = download_dapo(args.output), DAPO_HUB[0]
     if not Path(path).exists():
         raise SystemExit(f"convert_data: {path} not found")
     try:

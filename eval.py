@@ -45,12 +45,25 @@ real checkpoints at the report's budgets (HFSampler holds each slot's whole row 
 process). The seed is set again before each benchmark, so a benchmark's samples do not depend on which ran before
 it (hf; vLLM seeds its engine once); with `sync_turns=true` they do not depend on tool timing either.
 
+Under a launcher it runs data-parallel, one sampler per process (GPU):
+    torchrun --nproc_per_node 8 eval.py model_path=PATH sampler=vllm
+    accelerate launch --config_file configs/accelerate/cpu_2proc.yaml eval.py configs/tiny/eval.yaml
+Every rank checks the inputs and reads what out_dir already holds; then each plays whole problems of every
+benchmark (rank r: problems r, r + W, r + 2W, ...; none when there are more ranks than problems), the main process
+gathers the rollouts and alone writes out_dir and prints, the lines and numbers one process would write (same
+order). Rank r samples with seed + r, so rank 0 of a launch samples as a single process does. Invariant to the
+number of ranks: everything, for a policy whose answers do not depend on chance or batch (the tests' scripted
+one); with a real sampler, the samples themselves differ (each rank draws its own, and a rollout's batch
+neighbours change its numerics), so metrics agree within sampling noise. vLLM under a launcher: one engine per
+rank (vllm_tensor_parallel_size=1; for tensor parallelism launch one process).
+
 In-process API (trainer, pipeline): `evaluate(problems, sampler, tool, ...) -> (metrics, trajectories)`; pure
 helpers `pass_at_k`, `majority_vote`, `standard_error`, `summarize`, `unsolved`.
 Our choices where the report is silent: the standard error, the majority-vote grouping and tie rule, and counting
 tool text in the response length. Left out: GPQA-Diamond (multiple choice, not this reward), and any per-benchmark
 prompt or answer format.
 """
+import contextlib
 import json
 import math
 import os
@@ -239,6 +252,19 @@ def evaluate(problems: list[dict], sampler, tool, tokenizer, fmt, samples: int, 
     problems: dicts with "problem" and "answer". Returns (metrics from `summarize`, trajectories with `reward` set,
     problem-major: trajectory i * samples + j is sample j of problem i). batch_size: rollouts per rollout() call
     (0: all at once); sync_turns: see rollout."""
+    trajs, timeouts = roll_and_score(problems, sampler, tool, tokenizer, fmt, samples, max_response_tokens,
+                                     max_turns, temperature, top_p, batch_size, sync_turns, progress)
+    groups = [trajs[i:i + samples] for i in range(0, len(trajs), samples)]
+    metrics = summarize(groups, equivalent=is_equivalent)
+    metrics["reward_timeouts"] = timeouts  # checks that ran out of time (scored 0)
+    return metrics, trajs
+
+
+def roll_and_score(problems: list[dict], sampler, tool, tokenizer, fmt, samples: int, max_response_tokens: int,
+                   max_turns: int, temperature: float = 0.6, top_p: float = 1.0, batch_size: int = 0,
+                   sync_turns: bool = False, progress: bool = False) -> tuple[list, int]:
+    """`evaluate` without the summary: (the problem-major trajectories with `reward` set, the number of answer
+    checks that ran out of time). The command line's ranks each call it on their share of a benchmark."""
     texts = [p["problem"] for p in problems for _ in range(samples)]
     step = batch_size or len(texts)
     trajs = []
@@ -251,10 +277,7 @@ def evaluate(problems: list[dict], sampler, tool, tokenizer, fmt, samples: int, 
                                                                     for i in range(len(trajs))])
     for traj, verdict in zip(trajs, verdicts):
         traj.reward = 1.0 if verdict.correct else 0.0
-    groups = [trajs[i:i + samples] for i in range(0, len(trajs), samples)]
-    metrics = summarize(groups, equivalent=is_equivalent)
-    metrics["reward_timeouts"] = sum(v.timed_out for v in verdicts)  # checks that ran out of time (scored 0)
-    return metrics, trajs
+    return trajs, sum(v.timed_out for v in verdicts)
 
 
 def _bar(iterable, enabled: bool, desc: str):
@@ -341,6 +364,98 @@ def unsolved_from(path: Path, benches: list[tuple[str, list[dict]]], k: int) -> 
     return [p for name, problems in benches for i, p in enumerate(problems) if correct.get((name, i), 0) < k]
 
 
+# ============================================================================ ranks (torchrun / accelerate launch)
+def check_launch(cfg: EvalConfig) -> None:
+    """Config errors that depend on the launch: vLLM's external launcher makes the ranks of one tensor-parallel
+    group share an engine, which must then get the same prompts; here every rank plays its own problems."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and cfg.sampler == "vllm" and cfg.vllm_tensor_parallel_size > 1:
+        raise SystemExit(f"config error: vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size} under a launcher "
+                         f"with {world} processes; launch one process (its engine spans the GPUs) or use "
+                         "vllm_tensor_parallel_size=1 (one engine per rank)")
+
+
+def start_ranks() -> tuple[int, int]:
+    """(rank, world size): (0, 1) for a plain `python eval.py`; under torchrun / accelerate launch with several
+    processes, the process group is set up here (Accelerate's PartialState: gloo on CPU, NCCL on GPU, each rank
+    on its LOCAL_RANK's GPU). A rank that is done waits in the next gather for the slowest one, so the group's
+    timeout is the trainer's (accel.py), not torch's 10 minutes."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return 0, 1
+    from datetime import timedelta
+    import torch
+    from accelerate import PartialState
+    from accel import PROCESS_GROUP_TIMEOUT_S
+    # cpu=True without a GPU: the only way PartialState sets up gloo across CPU processes
+    state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
+    if state.num_processes != world:  # every rank would evaluate everything and append to the same file
+        raise SystemExit(f"eval: WORLD_SIZE={world} but the process group has {state.num_processes} process(es)")
+    return state.process_index, state.num_processes
+
+
+def rank_of_process() -> tuple[int, int]:
+    """(rank, world size) of the process group `start_ranks` set up; (0, 1) without one."""
+    import torch.distributed as dist
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+def rank_share(count: int, rank: int, world: int) -> list[int]:
+    """The indices of the problems `rank` plays: rank, rank + world, ... (every problem on exactly one rank; none
+    when there are more ranks than problems). Whole problems, so a problem's k samples are summarized together."""
+    return list(range(rank, count, world))
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The sampling seed of `rank`: seed + rank, kept within the 32 bits numpy's seeding takes."""
+    return (seed + rank) % 2**32
+
+
+def barrier(world: int) -> None:
+    """Wait for every rank (nothing to wait for on one process)."""
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+def gather_to_main(obj, rank: int, world: int) -> list | None:
+    """Every rank's `obj`, in rank order, on the main process (rank 0); None on the others."""
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def end_ranks(world: int) -> None:
+    """Tear the process group down once every rank is done (NCCL warns about a group left at exit)."""
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def record_scores(record: dict):
+    """What `summarize` reads of a rollout, back from its trajectories.jsonl record: the ranks send records (no
+    token ids) to the main process, which summarizes the whole benchmark. response_ids is a range of the right
+    length: summarize only counts it."""
+    from types import SimpleNamespace
+    return SimpleNamespace(reward=record["reward"], text="".join(record["turns"]),
+                           response_ids=range(record["response_tokens"]), num_tool_calls=record["num_tool_calls"],
+                           num_failed_tool_calls=record["num_failed_tool_calls"], truncated=record["truncated"])
+
+
+def merge_shares(shares: list[tuple[list[dict], int]], k: int) -> tuple[list[dict], dict]:
+    """The ranks' (records, answer-check timeouts) -> (every record in problem-major order, the benchmark's metrics):
+    the lines and numbers one process playing every problem writes."""
+    records = sorted((r for share, _ in shares for r in share), key=lambda r: (r["problem_index"], r["sample"]))
+    groups = [[record_scores(r) for r in records[i:i + k]] for i in range(0, len(records), k)]
+    metrics = summarize(groups, equivalent=is_equivalent)
+    metrics["reward_timeouts"] = sum(timeouts for _, timeouts in shares)  # checks that ran out of time (scored 0)
+    return records, metrics
+
+
 # ============================================================================ command line
 def format_table(results: dict) -> str:
     """The results as a fixed-width text table, one row per benchmark."""
@@ -379,7 +494,8 @@ def show(path, index: int) -> str:
 
 
 def load_model(cfg: EvalConfig):
-    """(sampler, tokenizer) for the config: transformers on the GPU if there is one (else CPU), or vLLM."""
+    """(sampler, tokenizer) for the config: transformers on the GPU if there is one (else CPU), or vLLM; under a
+    launcher, on the rank's GPU."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from hf_sampler import HFSampler
@@ -390,21 +506,27 @@ def load_model(cfg: EvalConfig):
                                                                    torch_dtype="auto")
     except ValueError as e:
         raise SystemExit(f"input error: {e}") from None
+    rank, world = rank_of_process()
     if cfg.sampler == "vllm":
-        return VLLMSampler(cfg.model_path, im_end_id=tokenizer.convert_tokens_to_ids(IM_END), seed=cfg.seed,
-                           tensor_parallel_size=cfg.vllm_tensor_parallel_size, dtype=cfg.vllm_dtype,
-                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                           enforce_eager=cfg.vllm_enforce_eager,
-                           enable_sleep_mode=False), tokenizer  # nothing trains here: no need to free the GPU
-    model.to("cuda" if torch.cuda.is_available() else "cpu")
+        # Under a launcher, one engine per rank on the rank's own GPU (vLLM's external launcher), seeded seed + rank.
+        launcher = {"distributed_executor_backend": "external_launcher"} if world > 1 else {}
+        return VLLMSampler(cfg.model_path, im_end_id=tokenizer.convert_tokens_to_ids(IM_END),
+                           seed=rank_seed(cfg.seed, rank), tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                           dtype=cfg.vllm_dtype, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                           enforce_eager=cfg.vllm_enforce_eager, enable_sleep_mode=False,  # nothing trains here
+                           **launcher), tokenizer
+    model.to("cuda" if torch.cuda.is_available() else "cpu")  # "cuda": the rank's GPU (PartialState set it)
     return HFSampler(model, tokenizer, batch_size=cfg.batch_size), tokenizer
 
 
-def run(cfg: EvalConfig) -> dict:
+def run(cfg: EvalConfig) -> dict | None:
     """The command-line evaluation: every benchmark, results.json, trajectories.jsonl, unsolved_out.
     Inputs are checked before out_dir is touched. A benchmark is finished when results.json names it (written after
-    its trajectories are on disk); a rerun with the same config keeps finished benchmarks and does the rest."""
+    its trajectories are on disk); a rerun with the same config keeps finished benchmarks and does the rest.
+    Under a launcher each rank plays its share of every benchmark and the main process writes everything; it
+    returns the results, the other ranks None."""
     check_config(cfg)
+    check_launch(cfg)
     from transformers import set_seed
     from code_tool import CodeTool, SandboxError, announce, choose_sandbox
     try:  # where and how model code runs (code_tool.py's sandbox modes)
@@ -422,43 +544,61 @@ def run(cfg: EvalConfig) -> dict:
                for (n, probs), spec in zip(benches, cfg.benchmarks)]  # two files named test.jsonl: use the paths
     identity = eval_identity(cfg)
     results = finished_benchmarks(out, cfg, identity)
-    print(format_config(cfg))
-    out.mkdir(parents=True, exist_ok=True)
-    if not results:
-        (out / "results.json").unlink(missing_ok=True)
-    save_config(cfg, out / "config.yaml")
-    (out / "sandbox.txt").write_text(announce(sandbox) + "\n")
+    rank, world = start_ranks()
+    barrier(world)  # every rank knows what is finished before the main process rewrites out_dir
+    main = rank == 0
+    say = print if main else (lambda *args: None)
+    say(format_config(cfg))
     traj_file = out / "trajectories.jsonl"
-    keep_trajectories(traj_file, results)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not results:
+            (out / "results.json").unlink(missing_ok=True)
+        save_config(cfg, out / "config.yaml")
+        (out / "sandbox.txt").write_text(announce(sandbox) + "\n")
+        keep_trajectories(traj_file, results)
     k = cfg.samples
     todo = [(name, problems) for name, problems in benches if name not in results]
     if len(todo) < len(benches):
-        print(f"kept from the earlier run in {out}: {', '.join(results)} (overwrite=true evaluates them again)")
+        say(f"kept from the earlier run in {out}: {', '.join(results)} (overwrite=true evaluates them again)")
     if todo:
-        print(f"{cpu_threads.set_torch_threads(cfg.torch_threads)} torch thread(s)")
+        threads = cpu_threads.set_torch_threads(cfg.torch_threads)  # on every rank
+        say(f"{threads} torch thread(s)" + (f" on each of {world} ranks" if world > 1 else ""))
         sampler, tokenizer = load_model(cfg)
         fmt = chat_format_of(cfg)
         tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
                         max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
                         require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)
         default_pool().start()  # the answer checkers import sympy while the first rollouts run, not after them
-        with tool, traj_file.open("a", encoding="utf-8") as f:
+        with tool, (traj_file.open("a", encoding="utf-8") if main else contextlib.nullcontext()) as f:
             for name, problems in todo:
-                print(f"{name}: {len(problems)} problems x {k} samples")
-                set_seed(cfg.seed)  # each benchmark's samples do not depend on which benchmarks ran before it
+                say(f"{name}: {len(problems)} problems x {k} samples" + (f" on {world} ranks" if world > 1 else ""))
+                # Each benchmark's samples do not depend on which benchmarks ran before it; each rank samples its
+                # own rollouts (seed + rank: one process has rank 0, so its samples are those of before).
+                set_seed(rank_seed(cfg.seed, rank))
                 start = time.perf_counter()
-                metrics, trajs = evaluate(problems, sampler, tool, tokenizer, fmt, k, cfg.max_response_tokens,
-                                          cfg.max_turns, cfg.temperature, cfg.top_p, cfg.batch_size,
-                                          cfg.sync_turns, progress=True)
-                metrics["seconds"] = time.perf_counter() - start  # rollouts and scoring (wall clock)
-                for i, traj in enumerate(trajs):  # on disk before results.json names the benchmark
-                    record = trajectory_record(name, problems[i // k], i // k, i % k, traj)
+                mine = rank_share(len(problems), rank, world)
+                trajs, timeouts = roll_and_score(
+                    [problems[i] for i in mine], sampler, tool, tokenizer, fmt, k, cfg.max_response_tokens,
+                    cfg.max_turns, cfg.temperature, cfg.top_p, cfg.batch_size, cfg.sync_turns,
+                    progress=main) if mine else ([], 0)
+                records = [trajectory_record(name, problems[mine[t // k]], mine[t // k], t % k, traj)
+                           for t, traj in enumerate(trajs)]
+                shares = gather_to_main((records, timeouts), rank, world)
+                if not main:
+                    continue
+                records, metrics = merge_shares(shares, k)
+                metrics["seconds"] = time.perf_counter() - start  # rollouts and scoring on every rank (wall clock)
+                for record in records:  # on disk before results.json names the benchmark
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
                 results[name] = metrics
                 atomic_write_text(out / "results.json", json.dumps(
                     {"model_path": cfg.model_path, "benchmarks": results, "identity": identity}, indent=1))
+    end_ranks(world)
+    if not main:
+        return None
     results = {name: results[name] for name, _ in benches}
     print(format_table(results))
     print(f"wrote {out / 'results.json'} and {traj_file}")

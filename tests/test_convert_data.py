@@ -1,8 +1,15 @@
 """convert_data.py on small local fixtures in the public sets' layouts (no network): the DAPO prompt stripped, the
 repeated block and conflicting answers handled, MATH's boxed answers, decontamination against data/."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import httpx2
+import huggingface_hub
 import pytest
+from huggingface_hub import errors as hub_errors
 
 import convert_data
 from convert_data import DAPO_PREFIX, DAPO_SUFFIX, last_boxed
@@ -76,6 +83,43 @@ def test_bad_input_is_one_line(tmp_path):
         convert_data.main(["math", str(src), str(tmp_path / "o.jsonl"), "--decontaminate"])
     with pytest.raises(SystemExit, match="hub. downloads DAPO-Math-17k only"):
         convert_data.main(["math", "hub", str(tmp_path / "o.jsonl")])
+
+
+HUB_MESSAGE = ("convert_data: the Hugging Face hub could not be reached ({}); download data/dapo-math-17k.parquet "
+               "from https://huggingface.co/datasets/BytedTsinghua-SIA/DAPO-Math-17k and give its path: "
+               "python convert_data.py dapo dapo-math-17k.parquet {}")
+
+
+def test_hub_offline_is_one_line_saying_how_to_give_the_file(tmp_path):
+    """The real download under HF_HUB_OFFLINE=1 (no wait on retries): one line on stderr, no traceback."""
+    root = Path(convert_data.__file__).parent
+    out = tmp_path / "dapo.jsonl"
+    done = subprocess.run([sys.executable, "convert_data.py", "dapo", "hub", str(out)], cwd=root, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+                               "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == HUB_MESSAGE.format("LocalEntryNotFoundError, HF_HUB_OFFLINE is set", out) + "\n"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("error", ["LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectError"])
+def test_hub_unreachable_is_one_line_whichever_error_the_hub_client_raises(tmp_path, monkeypatch, error):
+    """What huggingface_hub raises for no connection (after its retries), offline mode, or a connection lost
+    mid-download; any other error is not taken for one of these."""
+    made = {"LocalEntryNotFoundError": lambda: hub_errors.LocalEntryNotFoundError("no connection"),
+            "OfflineModeIsEnabled": lambda: hub_errors.OfflineModeIsEnabled("offline"),
+            "ConnectError": lambda: httpx2.ConnectError("[Errno -3] Temporary failure in name resolution")}[error]
+
+    def download(*args, **kwargs):
+        raise made()
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        convert_data.main(["dapo", "hub", str(tmp_path / "o.jsonl")])
+    assert str(stop.value) == HUB_MESSAGE.format(error, tmp_path / "o.jsonl")
+    made = lambda: hub_errors.EntryNotFoundError("no such file in the dataset")  # noqa: E731
+    with pytest.raises(hub_errors.EntryNotFoundError):
+        convert_data.main(["dapo", "hub", str(tmp_path / "o.jsonl")])
 
 
 def tir_row(problem, solution):
