@@ -619,6 +619,7 @@ def verify_handoff(run, when: str, previous=None) -> tuple:
     # the trainer's side through Accelerate's forward (autocast under mixed precision): as the update computes
     pair = (torch.tensor(run.sampler.score(run.probe)),
             sequence_logprobs(run.accelerator.unwrap_model(run.model), run.probe))
+    accel.reshard(run.model)  # free the groups the no-grad forward left gathered (norm, lm_head) before the rollout
     tolerance = handoff_tolerance(run.sampler.dtype, trainer_compute_dtype(run.accelerator, run.model))
     problem = check_handoff(*pair, tolerance, previous)
     if problem:

@@ -152,10 +152,10 @@ def rl_schedule(t: int, lr: float, warmup_steps: int) -> float:
 
 def lr_comparison(rows: list[dict], key: str, schedule, per_step: int = 1, first: int = 4) -> list[tuple]:
     """(step, logged lr, scheduled lr) for the first `first` metrics rows that have `key`. Both entry points log
-    get_last_lr() after the step's scheduler.step(): the lr of the next optimizer step, so the schedule is read at
-    t = optimizer steps done = step x per_step (updates_per_step for train.py, 1 for sft.py)."""
+    the lr a step trained with (train.py: its first optimizer step's), so the schedule is read at t = optimizer steps
+    done before it = (step - 1) x per_step (updates_per_step for train.py, 1 for sft.py)."""
     logged = [(r["step"], r[key]) for r in rows if key in r][:first]
-    return [(step, lr, schedule(step * per_step)) for step, lr in logged]
+    return [(step, lr, schedule((step - 1) * per_step)) for step, lr in logged]
 
 
 def lr_line(name: str, comparison: list[tuple], rel: float = 1e-4) -> tuple[str, str | None]:

@@ -44,23 +44,23 @@ def test_the_cpu_version_runs_sft_train_and_eval_under_fsdp2_in_bf16_and_passes(
     assert len(steps) == 2 and all(s["update_lengths"] and s["rollout_tokens"] > 0 for s in steps)
 
 
-def fake_run(tmp_path: Path, loss: float = 0.5, reduce: str = "torch.float32", rl_lr: float = 5e-7) -> Path:
+def fake_run(tmp_path: Path, loss: float = 0.5, reduce: str = "torch.float32", rl_lr: float = 2.5e-7) -> Path:
     """The files a --cpu run leaves, with chosen values: SFT at peak lr 1e-5 with a 1-step warm-up over 2 steps, RL
-    at lr 1e-6 with a 4-step warm-up (after step 1: 1e-6 x 2/4)."""
+    at lr 1e-6 with a 4-step warm-up (step 1 trains at 1e-6 x 1/4)."""
     for name in ("sft", "rl", "eval"):
         (tmp_path / name).mkdir(parents=True)
     (tmp_path / "sft" / "smoke_sft.json").write_text(json.dumps({"phase": "sft", "seconds": 3.0, "memory": None}))
     (tmp_path / "sft" / "config.yaml").write_text("lr: 1.0e-5\nwarmup_ratio: 0.25\ndecay_ratio: 1.0\n")
     (tmp_path / "rl" / "config.yaml").write_text("lr: 1.0e-6\nwarmup_steps: 4\nupdates_per_step: 1\n")
-    # logged after each step, the next step's lr: sft.lr_factor(1, 1, 2) = 1 (the cosine's start), (2, 1, 2) = 0
+    # each step's own lr: sft.lr_factor(0, 1, 2) = 1 (the warm-up's one step), (1, 1, 2) = 1 (the cosine's start)
     rows = [{"step": s, "sft/loss": 1.0, "perf/tokens_per_s": 100.0, "perf/seconds": 1.0, "sft/lr": lr}
-            for s, lr in ((1, 1e-5), (2, 0.0))]
+            for s, lr in ((1, 1e-5), (2, 1e-5))]
     (tmp_path / "sft" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     step = {"rollout_s": 1.0, "rollout_tokens": 10, "rollout_memory": None, "update_s": 1.0, "update_memory": None,
             "update_lengths": [30, 40], "policy": {"model.layers.0": ["torch.bfloat16", reduce]}}
     (tmp_path / "rl" / "smoke_train.json").write_text(json.dumps({"steps": [step, step]}))
     rows = [{"step": 1, "loss/policy": 0.0, "loss/grad_norm": 1.0, "loss/lr": rl_lr},
-            {"step": 2, "loss/policy": loss, "loss/grad_norm": 1.0, "loss/lr": 7.5e-7}]
+            {"step": 2, "loss/policy": loss, "loss/grad_norm": 1.0, "loss/lr": 5e-7}]
     (tmp_path / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "eval" / "smoke_eval.json").write_text(json.dumps(
         {"eval_s": 1.0, "eval_tokens": 8, "eval_memory": None, "eval_rollouts": 4, "eval_longest": 90}))
@@ -69,7 +69,7 @@ def fake_run(tmp_path: Path, loss: float = 0.5, reduce: str = "torch.float32", r
 
 @pytest.mark.parametrize("change, message", [
     ({"loss": float("nan")}, "FAIL: rl step 2: non-finite loss or gradient norm"),
-    ({"rl_lr": 1e-6}, "FAIL: rl .* lr at step 1 is 1e-06, 2x the schedule's 5e-07"),
+    ({"rl_lr": 5e-7}, "FAIL: rl .* lr at step 1 is 5e-07, 2x the schedule's 2.5e-07"),
     ({"reduce": "torch.bfloat16"}, "FAIL: the prepared model's FSDP2 policy reduces in ['torch.bfloat16'], not "
                                    "torch.float32"),
 ])
@@ -85,29 +85,30 @@ def test_the_verdict_fails_on_a_non_finite_loss_or_a_bf16_reduction(tmp_path, ca
 def test_the_report_prints_the_logged_lr_beside_both_schedules(tmp_path, capsys):
     gpu_smoke.report(fake_run(tmp_path), "cpu", gpu_smoke.SIZES["cpu"], [100, 120], 1.0)
     out = capsys.readouterr().out
-    assert ("lr       sft (peak 1e-05, warm-up 1 of 2 steps): step 1 1e-05 (schedule 1e-05), step 2 0 (schedule 0): "
-            "as scheduled") in out
-    assert ("lr       rl (lr 1e-06, warm-up 4 steps): step 1 5e-07 (schedule 5e-07), step 2 7.5e-07 (schedule "
-            "7.5e-07): as scheduled") in out
+    assert ("lr       sft (peak 1e-05, warm-up 1 of 2 steps): step 1 1e-05 (schedule 1e-05), step 2 1e-05 "
+            "(schedule 1e-05): as scheduled") in out
+    assert ("lr       rl (lr 1e-06, warm-up 4 steps): step 1 2.5e-07 (schedule 2.5e-07), step 2 5e-07 (schedule "
+            "5e-07): as scheduled") in out
 
 
 def test_the_lr_comparison_by_hand():
-    """train.py's warm-up lr * min(1, (t + 1) / W), read after the step (t = optimizer steps done); a scheduler
-    stepped 8 times per optimizer step (8 ranks, each stepping it) is 4.5x ahead after step 1 of a 20-step warm-up."""
+    """train.py's warm-up lr * min(1, (t + 1) / W), logged as the lr step s trained with (t = s - 1 optimizer steps
+    done before it); a scheduler stepped 8 times per optimizer step (8 ranks, each stepping it) is 4.5x ahead at
+    step 2 of a 20-step warm-up."""
     assert [gpu_smoke.rl_schedule(t, 1e-6, 20) for t in (0, 1, 19, 50)] == pytest.approx([5e-8, 1e-7, 1e-6, 1e-6])
     assert gpu_smoke.rl_schedule(0, 1e-6, 0) == 1e-6  # no warm-up
     schedule = lambda t: gpu_smoke.rl_schedule(t, 1e-6, 20)  # noqa: E731
-    right = [{"step": s, "loss/lr": schedule(s)} for s in (1, 2, 3)] + [{"step": 4}]
-    assert gpu_smoke.lr_comparison(right, "loss/lr", schedule, first=2) == [(1, 1e-7, 1e-7), (2, 1.5e-7, 1.5e-7)]
-    assert gpu_smoke.lr_comparison(right, "loss/lr", schedule, per_step=2)[0] == (1, 1e-7, 1.5e-7)  # t = 2
+    right = [{"step": s, "loss/lr": schedule(s - 1)} for s in (1, 2, 3)] + [{"step": 4}]
+    assert gpu_smoke.lr_comparison(right, "loss/lr", schedule, first=2) == [(1, 5e-8, 5e-8), (2, 1e-7, 1e-7)]
+    assert gpu_smoke.lr_comparison(right, "loss/lr", schedule, per_step=2)[1] == (2, 1e-7, 1.5e-7)  # t = 2
     line, problem = gpu_smoke.lr_line("rl", gpu_smoke.lr_comparison(right, "loss/lr", schedule))
-    assert problem is None and line == ("lr       rl: step 1 1e-07 (schedule 1e-07), step 2 1.5e-07 (schedule "
-                                        "1.5e-07), step 3 2e-07 (schedule 2e-07): as scheduled")
-    fast = [{"step": s, "loss/lr": schedule(8 * s)} for s in (1, 2, 3)]  # 8 scheduler steps per optimizer step
+    assert problem is None and line == ("lr       rl: step 1 5e-08 (schedule 5e-08), step 2 1e-07 (schedule "
+                                        "1e-07), step 3 1.5e-07 (schedule 1.5e-07): as scheduled")
+    fast = [{"step": s, "loss/lr": schedule(8 * (s - 1))} for s in (1, 2, 3)]  # 8 scheduler steps per optimizer step
     line, problem = gpu_smoke.lr_line("rl", gpu_smoke.lr_comparison(fast, "loss/lr", schedule))
-    assert line.endswith("step 1 4.5e-07 (schedule 1e-07), step 2 8.5e-07 (schedule 1.5e-07), step 3 1e-06 "
-                         "(schedule 2e-07): NOT as scheduled")
-    assert problem == "rl lr at step 1 is 4.5e-07, 4.5x the schedule's 1e-07"  # the warm-up runs 4.5x too fast
+    assert line.endswith("step 1 5e-08 (schedule 5e-08), step 2 4.5e-07 (schedule 1e-07), step 3 8.5e-07 "
+                         "(schedule 1.5e-07): NOT as scheduled")
+    assert problem == "rl lr at step 2 is 4.5e-07, 4.5x the schedule's 1e-07"  # the warm-up runs 4.5x too fast
     slow = gpu_smoke.lr_line("sft", [(1, 1e-7, 2e-7)])[1]
     assert slow == "sft lr at step 1 is 1e-07, 0.5x the schedule's 2e-07"
     assert gpu_smoke.lr_line("rl", []) == ("lr       rl: no lr logged", None)
