@@ -379,9 +379,10 @@ def interval_row(acc: Accelerator, step: int, losses: list, tokens: int, lr: flo
                  seconds: float) -> dict:
     """The metrics line of the steps since the last one: the loss averaged over every rank's real micro-batches of
     the interval (fillers are not counted; sums in float64), tokens per second over all ranks."""
-    total, count, all_tokens = acc.reduce(torch.tensor([float(sum(x.item() for x in losses)), len(losses), tokens],
-                                                       dtype=torch.float64, device=acc.device),
-                                          reduction="sum").tolist()
+    sums = torch.tensor([0.0, len(losses), tokens], dtype=torch.float64, device=acc.device)
+    if losses:
+        sums[0] = torch.stack(losses).double().sum()
+    total, count, all_tokens = acc.reduce(sums, reduction="sum").tolist()
     return {"step": step, "sft/loss": total / max(count, 1), "sft/lr": lr, "sft/epoch": step / steps_per_epoch,
             "perf/tokens_per_s": all_tokens / seconds, "perf/seconds": seconds}
 

@@ -31,10 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNNER = str(ROOT / "tests" / "run_sft_recorded.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 N_CONVERSATIONS, EPOCHS = 14, 2  # micro-batches of 2: 7 per epoch, windows of 6 and 1 (2 steps per epoch, 4 in all)
-# Measured on this machine (torch 2.13 CPU): the largest weight difference from one process was 1.2e-7 (DDP, 3
-# ranks) and 1.7e-8 (FSDP2, 2 ranks), after steps that move weights by up to 7.5e-3; the largest sft/loss difference
-# 1.6e-7 (on a loss of 4.6, about one float32 ulp of rounding carried through the weights). The bounds leave more
-# than 10x margin and stay far below what one duplicated micro-batch does (see the duplicate test's comment).
+# Measured (torch 2.13, CPU, gloo): the largest weight difference from one process, over DDP and FSDP2 at 2 and 3
+# ranks and the resumed runs, was 1.2e-7 (about one float32 ulp of the largest weights, ~1), after a run that moves
+# weights by up to 7.5e-3; the largest sft/loss difference 1.6e-7 (on a loss of 4.6: one or two ulps, carried
+# through the weights); the lr is equal. The bounds leave more than 10x margin and stay far below what one
+# duplicated micro-batch does (8e-3, see the duplicate test).
 TOL_WEIGHTS, TOL_LOSS = 2e-6, 1e-5
 PORTS = iter(range(29661, 29700))
 
@@ -181,22 +182,39 @@ def test_invariance_fsdp2_holds_no_whole_gradient_between_micro_batches(runs, mi
             assert after["grads"] == after["sharded_grads"] == after["params"], after
 
 
-@pytest.mark.parametrize("world,start", [(1, 1), (3, 3)])
-def test_invariance_a_run_checkpointed_on_two_processes_continues_on_another_number(tiny, runs, tmp_path, world,
-                                                                                   start):
-    """The 2-process DDP run's folder, as a kill after step 4's log line would leave it with `latest` at
-    checkpoint-{start} (1: inside epoch 0; 3: inside epoch 1), continued with resume=auto on `world` processes: the
-    same log (the stale lines cut and written again) and the same weights as the uninterrupted run."""
-    straight = runs("ddp", 2)
+@pytest.mark.parametrize("kind,world,start", [("ddp", 1, 1), ("ddp", 3, 3), ("fsdp", 3, 1)])
+def test_invariance_a_run_checkpointed_on_two_processes_continues_on_another_number(tiny, runs, tmp_path, kind,
+                                                                                   world, start):
+    """The 2-process run's folder (DDP, or FSDP2 with its sharded checkpoints), as a kill after step 4's log line
+    would leave it with `latest` at checkpoint-{start} (1: inside epoch 0; 3: inside epoch 1), continued with
+    resume=auto on `world` processes: the same log (the stale lines cut and written again) and the same weights as
+    the uninterrupted run."""
+    straight = runs(kind, 2)
     out = tmp_path / "killed"
     shutil.copytree(straight, out)
     shutil.rmtree(out / "model")
     for later in range(start + 1, 4):
         shutil.rmtree(out / f"checkpoint-{later}")
     (out / "latest").write_text(f"checkpoint-{start}\n")
-    done = launch("ddp", world, sft_args(tiny, out))
+    done = launch(kind, world, sft_args(tiny, out))
     assert f"resumed from {out / f'checkpoint-{start}'} at step {start} (epoch {start // 2}, 6 micro-batches in)" \
         in done.stdout
     assert_same_log(rows(out), rows(straight))
     assert rows(out)[:start] == rows(straight)[:start]  # the lines before the checkpoint are kept as written
     assert max_gap(weights(out), weights(straight)) <= TOL_WEIGHTS
+
+
+def test_a_checkpoint_with_a_per_rank_data_position_is_refused_in_one_line(tiny, tmp_path):
+    """A checkpoint whose data position counts one rank's micro-batches (`batches_in_epoch`, written before the
+    position was made world-independent) cannot be placed in the global order: refused before any work."""
+    from sft import SFTConfig, train
+    _, base, data = tiny
+    old = tmp_path / "run" / "checkpoint-2"
+    old.mkdir(parents=True)
+    (old / "trainer_state.json").write_text(json.dumps({"step": 2, "written": 1, "epoch": 0, "batches_in_epoch": 3}))
+    (tmp_path / "run" / "latest").write_text("checkpoint-2\n")
+    with pytest.raises(SystemExit, match=r"^resume error: .*checkpoint-2 records its data position as one rank's "
+                                         r"micro-batches \(an earlier sft.py\), which this one cannot place; start "
+                                         r"over in another out_dir$"):
+        train(SFTConfig(model_path=str(base), data=str(data), out_dir=str(tmp_path / "run")))
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-2", "latest"]  # nothing touched
