@@ -236,7 +236,7 @@ def prune(run_dir, keep_last: int) -> None:
     run_dir = Path(run_dir)
     latest = latest_checkpoint(run_dir)
     found = _checkpoints(run_dir)
-    for _, _, folder in found[:len(found) - max(keep_last, 1)]:
+    for _, _, folder in found[:max(len(found) - max(keep_last, 1), 0)]:  # none while fewer than keep_last exist
         if latest is None or folder.name != latest.name:
             shutil.rmtree(folder, ignore_errors=True)
     for partial in run_dir.glob("checkpoint-*.tmp"):

@@ -12,30 +12,41 @@ own and the ids concatenated, so the boundaries are the ones a rollout has (it a
 tool turns as separate id lists and never re-tokenizes). Labels are -100 on every non-trainable segment (system,
 user, tool responses, inserted headers) and on padding; `build_labels` is the one place that decides it.
 
-Loss normalisation: each micro-batch's loss is the mean next-token cross-entropy over its trained tokens;
-Accelerate divides it by the accumulation steps, so an optimizer step averages micro-batch means. A micro-batch with
-few trained tokens weighs each of them more than a long one does (the usual HF Trainer behaviour). The RL loss
-(`grpo_roc.policy_loss`) normalises by the token count of the whole step instead; for SFT on conversations of
-similar size the difference is small, and the per-micro-batch mean needs no count up front.
+Loss normalisation: each micro-batch's loss is the mean next-token cross-entropy over its trained tokens, and an
+optimizer step's gradient is that of the sum of its micro-batch means / (batch_size / micro_batch_size). A
+micro-batch with few trained tokens weighs each of them more than a long one does (the usual HF Trainer behaviour).
+The RL loss (`grpo_roc.policy_loss`) normalises by the token count of the whole step instead; for SFT on
+conversations of similar size the difference is small, and the per-micro-batch mean needs no count up front.
 
 Precision: the weights are loaded as fp32 master weights whatever the checkpoint's dtype (Qwen3-Base ships bf16,
 where AdamW's steps at lr 5e-6 round away for most weights: one step moved 7.8% of them), in every launch mode;
 `mixed_precision: bf16` computes in bf16; model/ is saved in the checkpoint's own dtype (checkpoint.save_model).
 `gradient_checkpointing: true` recomputes each layer in the backward instead of keeping its activations.
 
-Global batch (sequences per optimizer step) = micro_batch_size * grad_accum * world_size; grad_accum is derived
-from batch_size and it is an error if it does not divide. Data-parallel: each rank reads its share through the
-prepared DataLoader. Left out: sequence packing, evaluation during training.
+Global batch: batch_size sequences per optimizer step, W = batch_size / micro_batch_size micro-batches, whatever
+the number of processes P (batch_size must divide by micro_batch_size * P). Each epoch's micro-batch order
+(`LengthGroupedBatches`, a function of seed and epoch) is cut into windows of W, one per optimizer step, the epoch's
+last possibly shorter; rank r collates and trains the window's micro-batches r, r+P, r+2P, ... Each micro-batch's
+loss is divided by W / P and DDP/FSDP average the gradient over the ranks, so every step, a partial last window
+included, has one process's gradient to float rounding: no sample is repeated to even out the ranks, and a rank
+short of micro-batches in a partial window runs fillers that train no token, so all join every collective. Under
+DDP the all-reduce waits for the window's last micro-batch; under FSDP2 each micro-batch's gradient is
+reduce-scattered at once, so no rank holds a full unsharded gradient (at 14B, skipping the sync would keep ~59 GB
+per GPU of them until the window ends). The lr schedule is stepped once per optimizer step. sft/loss averages the
+real micro-batches' losses over all ranks. Left out: evaluation during training.
 
 Checkpoints (`checkpoint.py`): every `save_every` optimizer steps the run folder gets `checkpoint-{step}` (model,
-optimizer, scheduler, every rank's RNG states) and the data position (epoch, micro-batches this rank has read in it).
-A run started again in the same folder continues from the newest complete checkpoint (`resume=auto`, the default):
-the epoch's micro-batch order is rebuilt from (seed, epoch), the batches already read are skipped, and metrics.jsonl
-is cut back to the checkpoint's step, so the resumed run ends with the same weights and log as one that never
-stopped. `resume=never` refuses a folder that already holds a run; `resume=PATH` starts from that checkpoint. A resume
-whose config or data differ from the checkpoint's is refused unless the keys are named in `resume_allow_changes`;
-a folder stopped before its first checkpoint starts over with its log kept aside (checkpoint.py has the rules).
-A NaN or infinite loss stops the run before the weights change; model/ is written beside and renamed.
+optimizer, lr schedule, every rank's RNG states) and the data position: the epoch and the windows (optimizer steps)
+done in it, which do not depend on the number of processes, so a run checkpointed on P processes continues on any
+other number that divides the batch. A run started again in the same folder continues from the newest complete
+checkpoint (`resume=auto`, the default): the epoch's micro-batch order is rebuilt from (seed, epoch), the windows
+already trained are skipped, and metrics.jsonl is cut back to the checkpoint's step, so the resumed run ends with the
+same weights and log as one that never stopped (to float rounding when the number of processes changed). A
+checkpoint from before this position format (it counted one rank's micro-batches) is refused. `resume=never`
+refuses a folder that already holds a run; `resume=PATH` starts from that checkpoint. A resume whose config or data
+differ from the checkpoint's is refused unless the keys are named in `resume_allow_changes`; a folder stopped
+before its first checkpoint starts over with its log kept aside (checkpoint.py has the rules). A NaN or infinite
+loss stops the run before the weights change; model/ is written beside and renamed.
 
 Run:  python sft.py configs/tiny/sft.yaml [key=value ...]
       accelerate launch --num_processes 8 sft.py my_sft.yaml      (data-parallel)
@@ -43,6 +54,7 @@ Outputs in out_dir: config.yaml (resolved), metrics.jsonl (one line per logged s
 (while it runs, with the fp32 masters; the last `keep_checkpoints` are kept), model/ (model in the input's dtype +
 tokenizer, at the end).
 """
+import contextlib
 import functools
 import json
 import math
@@ -59,8 +71,8 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 import accel
-from checkpoint import (begin_run, input_dtype, latest_checkpoint, load_checkpoint, resume_point, run_identity,
-                        save_checkpoint, save_model)
+from checkpoint import (STATE_FILE, begin_run, input_dtype, latest_checkpoint, load_checkpoint, resume_point,
+                        run_identity, save_checkpoint, save_model)
 from config import check_ranges, format_config, parse_cli, save_config, tracker_config
 from data import check_model_path, load_conversations, load_pretrained
 from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of, encode
@@ -254,20 +266,102 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, decay_ratio: float
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, max(0.0, progress))))
 
 
+# ----------------------------------------------------------------------------------- steps over the data (pure)
+def step_plan(n_micro: int, cfg: SFTConfig) -> tuple[int, int, int]:
+    """(steps_per_epoch, total_steps, warmup_steps) for an epoch of `n_micro` micro-batches: one optimizer step per
+    window of batch_size / micro_batch_size micro-batches (the epoch's last window may be partial). None of it
+    depends on the number of processes."""
+    steps_per_epoch = math.ceil(n_micro / (cfg.batch_size // cfg.micro_batch_size))
+    total_steps = cfg.epochs * steps_per_epoch
+    if cfg.max_steps is not None:
+        total_steps = min(cfg.max_steps, total_steps)
+    return steps_per_epoch, total_steps, max(1, round(cfg.warmup_ratio * total_steps))
+
+
+def windows(batches: LengthGroupedBatches, epochs: int, size: int, start: tuple[int, int] = (0, 0)):
+    """(epoch, k, micro-batches) of each optimizer step from start = (epoch, windows done in it): window k of an
+    epoch is micro-batches k*size .. (k+1)*size - 1 of that epoch's order (a function of (seed, epoch)), the last
+    one of an epoch possibly shorter. Every process walks the same windows, whatever their number."""
+    for epoch in range(start[0], epochs):
+        batches.set_epoch(epoch)
+        order = list(batches)
+        for k in range(start[1] if epoch == start[0] else 0, math.ceil(len(order) / size)):
+            yield epoch, k, order[k * size:(k + 1) * size]
+
+
 # ----------------------------------------------------------------------------------- plumbing (ranks live here)
 def make_accelerator(cfg: SFTConfig) -> tuple[Accelerator, int]:
-    """The Accelerator (accel.py: trackers, process-group timeout, FSDP2 policy) and grad_accum so that
-    micro_batch_size * grad_accum * world_size == batch_size."""
+    """The Accelerator (accel.py: trackers, process-group timeout, FSDP2 policy) and the micro-batches each rank
+    runs per optimizer step (micro_batch_size * that * world_size == batch_size)."""
     acc = accel.make_accelerator(mixed_precision=cfg.mixed_precision, report_to=cfg.report_to, out_dir=cfg.out_dir,
                                  timeout_s=cfg.process_group_timeout_s)
     per_step = cfg.micro_batch_size * acc.num_processes
     if cfg.batch_size % per_step:
         raise SystemExit(f"sft: batch_size={cfg.batch_size} is not a multiple of micro_batch_size * world_size "
                          f"= {cfg.micro_batch_size} * {acc.num_processes}")
-    acc.gradient_accumulation_steps = grad_accum = cfg.batch_size // per_step
     if cfg.report_to:
         acc.init_trackers("sft", config=tracker_config(cfg))
-    return acc, grad_accum
+    return acc, cfg.batch_size // per_step
+
+
+def is_sharded(model) -> bool:
+    """True when FSDP has split the model's parameters over ranks (DTensors): no rank holds the whole model."""
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def rank_share(window: list, rank: int, world: int) -> tuple[list, int]:
+    """This rank's micro-batches of a window (the window's r, r+P, r+2P, ...) and how many micro-batches every rank
+    runs: the most any rank has, so that all join every collective (the others run fillers)."""
+    return window[rank::world], math.ceil(len(window) / world)
+
+
+def accumulate_window(acc: Accelerator, model, window: list, examples: list, collate_fn, per_rank: int,
+                      sharded: bool) -> tuple[list, int]:
+    """Forward and backward of this rank's share of one optimizer step's window; returns the real micro-batches'
+    losses (detached) and their token count.
+
+    Each micro-batch's loss (its mean over trained tokens) is divided by per_rank = W / P (W: the window's full
+    size, P: ranks); DDP and FSDP average the gradient over the ranks, so the step's gradient is the sum of the
+    window's micro-batch means / W, what one process accumulates, a partial last window included. A rank with fewer
+    micro-batches than another runs fillers (labels all IGNORE, loss times 0: no gradient) so every rank joins every
+    collective. Under DDP all but the last micro-batch skip the all-reduce (no_sync). Under FSDP2 every micro-batch
+    is reduce-scattered into the shards as it comes: skipping the sync would keep each parameter's full unsharded
+    gradient on every rank until the window ends."""
+    mine, runs = rank_share(window, acc.process_index, acc.num_processes)
+    losses, tokens = [], 0
+    for j in range(runs):
+        real = j < len(mine)
+        if real:
+            batch = collate_fn([examples[i] for i in mine[j]])
+        else:  # a filler: two tokens of the window's first conversation, none trained
+            ids = examples[window[0][0]][0][:2]
+            batch = collate_fn([(ids, [IGNORE] * len(ids))])
+        # No padding mask: padding is on the right, so under the causal mask no real token attends to it and its
+        # labels are IGNORE: the same loss, and attention takes its causal fast path (1.15x at the tiny scale,
+        # bench/sft_speed.py). Packed rows carry position_ids instead. A cache would also turn off packing's mask.
+        inputs = {k: v.to(acc.device) for k, v in batch.items() if k not in ("labels", "num_tokens", "attention_mask")}
+        with contextlib.nullcontext() if j == runs - 1 or sharded else acc.no_sync(model):
+            logits = model(**inputs, use_cache=False).logits
+            loss = masked_lm_loss(logits, batch["labels"].to(acc.device))
+            acc.backward(loss / per_rank if real else loss * 0.0)
+        if real:
+            losses.append(loss.detach())
+            tokens += int(batch["num_tokens"] if "num_tokens" in batch else batch["attention_mask"].sum())
+    return losses, tokens
+
+
+def optimizer_step(acc: Accelerator, model, optimizer, scheduler, cfg: SFTConfig, losses: list, step: int,
+                   out: Path) -> None:
+    """Clip the gradient, stop on a non-finite loss or norm (before the weights change), step the optimizer and,
+    once, the lr schedule."""
+    grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2 hands the norm back as a DTensor
+        grad_norm = grad_norm.full_tensor()
+    stop_unless_finite(acc, losses, grad_norm, step, out)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
 
 
 def log_step(acc: Accelerator, metrics_path: Path, row: dict, bar) -> None:
@@ -281,15 +375,49 @@ def log_step(acc: Accelerator, metrics_path: Path, row: dict, bar) -> None:
         acc.log(row, step=row["step"])
 
 
+def interval_row(acc: Accelerator, step: int, losses: list, tokens: int, lr: float, steps_per_epoch: int,
+                 seconds: float) -> dict:
+    """The metrics line of the steps since the last one: the loss averaged over every rank's real micro-batches of
+    the interval (fillers are not counted; sums in float64), tokens per second over all ranks."""
+    sums = torch.tensor([0.0, len(losses), tokens], dtype=torch.float64, device=acc.device)
+    if losses:
+        sums[0] = torch.stack(losses).double().sum()
+    total, count, all_tokens = acc.reduce(sums, reduction="sum").tolist()
+    return {"step": step, "sft/loss": total / max(count, 1), "sft/lr": lr, "sft/epoch": step / steps_per_epoch,
+            "perf/tokens_per_s": all_tokens / seconds, "perf/seconds": seconds}
+
+
 def stop_unless_finite(acc: Accelerator, losses: list, grad_norm, step: int, out: Path) -> None:
     """Stop the run, on every rank together, when a loss since the last log line or the gradient norm is NaN or
     infinite: the weights are not updated, and the last checkpoint stays the newest."""
-    values = torch.stack([x.float() for x in losses] + [torch.as_tensor(grad_norm, dtype=torch.float)
-                                                        .to(losses[0].device)])
+    values = torch.stack([x.float().to(acc.device) for x in losses]
+                         + [torch.as_tensor(grad_norm, dtype=torch.float).to(acc.device)])
     bad = acc.reduce((~torch.isfinite(values)).any().float(), reduction="sum")  # every rank gets the same answer
     if bad.item() > 0:
         raise SystemExit(f"sft: the loss or gradient norm is not finite at step {step}; stopped before updating "
                          f"the weights. The last good checkpoint: {latest_checkpoint(out) or 'none yet'}")
+
+
+def saved_position(checkpoint: Path | None) -> None:
+    """Refuse, in one line, a checkpoint whose data position counts one rank's micro-batches (written before the
+    position was made independent of the number of processes): it cannot be placed in the global order."""
+    if checkpoint is not None and "windows_in_epoch" not in json.loads((checkpoint / STATE_FILE).read_text()):
+        raise SystemExit(f"resume error: {checkpoint} records its data position as one rank's micro-batches (an "
+                         f"earlier sft.py), which this one cannot place; start over in another out_dir")
+
+
+def resume(acc: Accelerator, checkpoint: Path | None, steps_per_epoch: int, window: int) -> tuple[int, tuple]:
+    """(step, (epoch, windows done in it)) to start from: (0, (0, 0)), or the checkpoint's, with model, optimizer,
+    lr schedule and RNG states restored."""
+    if checkpoint is None:
+        return 0, (0, 0)
+    state = load_checkpoint(acc, checkpoint)
+    epoch, done = state["epoch"], state["windows_in_epoch"]
+    if done >= steps_per_epoch:  # the checkpoint closed its epoch
+        epoch, done = epoch + 1, 0
+    acc.print(f"sft: resumed from {checkpoint} at step {state['step']} (epoch {epoch}, {done * window} micro-batches "
+              f"in)")
+    return state["step"], (epoch, done)
 
 
 # ----------------------------------------------------------------------------------- main
@@ -319,9 +447,28 @@ def check_inputs(cfg: SFTConfig):
         raise SystemExit(f"sft: bad data: {e}") from None
 
 
+def load_model(cfg: SFTConfig):
+    """The model as fp32 master weights whatever the checkpoint's dtype (AdamW's steps at lr 5e-6 are below bf16's
+    resolution for most weights: they would round away; mixed_precision=bf16 computes in bf16), and its AdamW
+    (no weight decay on norms and biases)."""
+    from transformers import AutoModelForCausalLM
+    try:
+        model = load_pretrained(AutoModelForCausalLM, cfg.model_path, torch_dtype=torch.float32)
+    except ValueError as e:
+        raise SystemExit(f"sft: {e}") from None
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": rest, "weight_decay": 0.0}],
+                                  lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+    return model, optimizer
+
+
 def train(cfg: SFTConfig) -> Path:
     """Run SFT as configured (continuing from a checkpoint where there is one); returns the saved model's folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     chat, conversations = check_inputs(cfg)
     try:  # before out_dir is touched
         tokenizer = load_pretrained(AutoTokenizer, cfg.model_path)
@@ -331,7 +478,8 @@ def train(cfg: SFTConfig) -> Path:
     out = Path(cfg.out_dir)
     identity = run_identity(cfg, [cfg.data])
     checkpoint = resume_point(cfg, out, identity, RESUME_FREE)
-    acc, grad_accum = make_accelerator(cfg)
+    saved_position(checkpoint)
+    acc, per_rank = make_accelerator(cfg)
     acc.print(format_config(cfg))
     acc.print(f"sft: {cpu_threads.set_torch_threads(cfg.torch_threads)} torch thread(s)")
     set_seed(cfg.seed)
@@ -340,104 +488,47 @@ def train(cfg: SFTConfig) -> Path:
         begin_run(out, checkpoint)
         save_config(cfg, out / "config.yaml")
 
-    # fp32 master weights whatever the checkpoint's dtype: AdamW's steps at lr 5e-6 are below bf16's resolution for
-    # most weights (they would round away); mixed_precision=bf16 computes in bf16. model/ is saved in `saved_dtype`.
-    try:
-        model = load_pretrained(AutoModelForCausalLM, cfg.model_path, torch_dtype=torch.float32)
-    except ValueError as e:
-        raise SystemExit(f"sft: {e}") from None
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    model, optimizer = load_model(cfg)  # model/ is saved in `saved_dtype` at the end
     examples, skipped = build_examples(tokenizer, conversations, chat, cfg.max_seq_len)
     acc.print(f"sft: {len(examples)} conversations, {skipped} skipped (longer than max_seq_len={cfg.max_seq_len})")
     if not examples:
         raise SystemExit("sft: every conversation is longer than max_seq_len")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    collate_fn = functools.partial(COLLATE[cfg.packing], pad_id=pad_id)
     # group_by_length=False is the same sampler with windows of one micro-batch: a plain shuffle, resumable alike
     batches = LengthGroupedBatches([len(ids) for ids, _ in examples], cfg.micro_batch_size, cfg.seed,
                                    window=32 if cfg.group_by_length else 1)
-    loader = torch.utils.data.DataLoader(examples, batch_sampler=batches,
-                                         collate_fn=functools.partial(COLLATE[cfg.packing], pad_id=pad_id))
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]  # no weight decay on norms and biases
-    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": rest, "weight_decay": 0.0}],
-                                  lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
-    # optimizer steps: per rank, ceil(batches / grad_accum) per epoch (the last one of an epoch may be partial)
-    steps_per_epoch = math.ceil(math.ceil(len(loader) / acc.num_processes) / grad_accum)
-    total_steps = cfg.epochs * steps_per_epoch if cfg.max_steps is None else min(cfg.max_steps,
-                                                                                 cfg.epochs * steps_per_epoch)
-    warmup_steps = max(1, round(cfg.warmup_ratio * total_steps))
-    # Accelerate steps a prepared scheduler num_processes times per optimizer step, so the schedule is in those units.
-    P = acc.num_processes
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s // P, warmup_steps, total_steps,
-                                                                                   cfg.decay_ratio))
-    model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
+    W, P = cfg.batch_size // cfg.micro_batch_size, acc.num_processes
+    steps_per_epoch, total_steps, warmup_steps = step_plan(len(batches), cfg)
+    # Stepped once per optimizer step here, not prepared (Accelerate would step it once per process); registered,
+    # so that save_state / load_state keep it.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps,
+                                                                                 cfg.decay_ratio))
+    model, optimizer = acc.prepare(model, optimizer)
+    acc.register_for_checkpointing(scheduler)
     acc.print(f"sft: {total_steps} optimizer steps ({steps_per_epoch}/epoch), batch {cfg.batch_size} = "
-              f"{cfg.micro_batch_size} x {grad_accum} accumulation x {P} ranks, warm-up {warmup_steps} steps")
+              f"{cfg.micro_batch_size} x {per_rank} accumulation x {P} ranks, warm-up {warmup_steps} steps")
+    step, start = resume(acc, checkpoint, steps_per_epoch, W)
 
-    # ---- where to start: step 0, or a checkpoint's step and data position (epoch, micro-batches read in it)
-    step, start_epoch, skip = 0, 0, 0
-    if checkpoint is not None:
-        state = load_checkpoint(acc, checkpoint)
-        step, start_epoch, skip = state["step"], state["epoch"], state["batches_in_epoch"]
-        if skip >= len(loader):  # the checkpoint closed its epoch
-            start_epoch, skip = start_epoch + 1, 0
-        acc.print(f"sft: resumed from {checkpoint} at step {step} (epoch {start_epoch}, {skip} micro-batches in)")
-
-    losses, tokens, t0 = [], 0, time.perf_counter()
+    sharded, losses, tokens, t0 = is_sharded(model), [], 0, time.perf_counter()
     bar = tqdm(total=total_steps, initial=step, desc="sft", disable=not acc.is_local_main_process, file=sys.stdout)
     model.train()
-    for epoch in range(start_epoch, cfg.epochs):
+    for epoch, k, window in windows(batches, cfg.epochs, W, start):
         if step >= total_steps:
             break
-        read, epoch_loader = skip, acc.skip_first_batches(loader, skip) if skip else loader
-        skip = 0
-        # The epoch's micro-batch order is a function of (seed, epoch). Accelerate's loader passes its own epoch
-        # counter to the sampler when it starts iterating (a fresh counter in the loader skip_first_batches makes),
-        # so both are set here.
-        batches.set_epoch(epoch)
-        epoch_loader.set_epoch(epoch)
-        for batch in epoch_loader:
-            with acc.accumulate(model):
-                # No padding mask: padding is on the right, so under the causal mask no real token attends to it
-                # and its labels are IGNORE: the same loss, and attention takes its causal fast path (1.15x at the
-                # tiny scale, bench/sft_speed.py). Packed rows carry position_ids instead. A cache would also turn
-                # off packing's mask.
-                inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_tokens", "attention_mask")}
-                logits = model(**inputs, use_cache=False).logits
-                loss = masked_lm_loss(logits, batch["labels"])
-                acc.backward(loss)
-                losses.append(loss.detach())
-                if acc.sync_gradients:
-                    grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                    if hasattr(grad_norm, "full_tensor"):  # FSDP2 hands the norm back as a DTensor
-                        grad_norm = grad_norm.full_tensor()
-                    stop_unless_finite(acc, losses, grad_norm, step + 1, out)  # before the step changes the weights
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            tokens += int(batch["num_tokens"] if "num_tokens" in batch else batch["attention_mask"].sum())
-            read += 1
-            if not acc.sync_gradients:
-                continue
-            step += 1
-            bar.update(1)
-            if step % cfg.log_every == 0 or step == total_steps:
-                # ---- log: loss averaged over this interval's micro-batches and over ranks
-                mean_loss = acc.reduce(torch.stack(losses).mean(), reduction="mean").item()
-                all_tokens = acc.reduce(torch.tensor(tokens, device=acc.device), reduction="sum").item()
-                row = {"step": step, "sft/loss": mean_loss, "sft/lr": scheduler.get_last_lr()[0],
-                       "sft/epoch": step / steps_per_epoch,
-                       "perf/tokens_per_s": all_tokens / (time.perf_counter() - t0),
-                       "perf/seconds": time.perf_counter() - t0}
-                log_step(acc, metrics_path, row, bar)
-                losses, tokens, t0 = [], 0, time.perf_counter()
-            if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
-                save_checkpoint(acc, out, step, {"epoch": epoch, "batches_in_epoch": read, "total_steps": total_steps,
-                                                 "identity": identity}, keep_last=cfg.keep_checkpoints)
-            if step >= total_steps:
-                break
+        window_losses, window_tokens = accumulate_window(acc, model, window, examples, collate_fn, per_rank, sharded)
+        losses, tokens = losses + window_losses, tokens + window_tokens
+        optimizer_step(acc, model, optimizer, scheduler, cfg, losses, step + 1, out)
+        step += 1
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == total_steps:
+            row = interval_row(acc, step, losses, tokens, scheduler.get_last_lr()[0], steps_per_epoch,
+                               time.perf_counter() - t0)
+            log_step(acc, metrics_path, row, bar)
+            losses, tokens, t0 = [], 0, time.perf_counter()
+        if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
+            save_checkpoint(acc, out, step, {"epoch": epoch, "windows_in_epoch": k + 1, "total_steps": total_steps,
+                                             "identity": identity}, keep_last=cfg.keep_checkpoints)
     bar.close()
     save_model(acc, model, tokenizer, out / "model", saved_dtype)
     acc.print(f"sft: saved {out / 'model'}")

@@ -42,6 +42,13 @@ def test_pruning_follows_the_order_of_writing_and_keeps_what_latest_names(tmp_pa
     assert steps(tmp_path / "b") == {6, 7} and latest_checkpoint(tmp_path / "b").name == "checkpoint-7"
 
 
+def test_pruning_removes_nothing_while_fewer_than_keep_last_exist(tmp_path):
+    """keep_last above the number written (before: a negative slice end removed all but the newest)."""
+    for step in (1, 2, 3):
+        save_checkpoint(FakeAccelerator(), tmp_path, step, {}, keep_last=4)
+        assert steps(tmp_path) == set(range(1, step + 1))
+
+
 def test_checkpoint_files_and_folders_are_durable_before_latest_moves(tmp_path, monkeypatch):
     """A power cut after `latest` moves must find a complete checkpoint: every file and folder fsynced first."""
     events = []
