@@ -518,12 +518,12 @@ def train(cfg: SFTConfig) -> Path:
             break
         window_losses, window_tokens = accumulate_window(acc, model, window, examples, collate_fn, per_rank, sharded)
         losses, tokens = losses + window_losses, tokens + window_tokens
+        lr = scheduler.get_last_lr()[0]  # the lr this step trains with (logged)
         optimizer_step(acc, model, optimizer, scheduler, cfg, losses, step + 1, out)
         step += 1
         bar.update(1)
         if step % cfg.log_every == 0 or step == total_steps:
-            row = interval_row(acc, step, losses, tokens, scheduler.get_last_lr()[0], steps_per_epoch,
-                               time.perf_counter() - t0)
+            row = interval_row(acc, step, losses, tokens, lr, steps_per_epoch, time.perf_counter() - t0)
             log_step(acc, metrics_path, row, bar)
             losses, tokens, t0 = [], 0, time.perf_counter()
         if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
