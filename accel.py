@@ -6,7 +6,7 @@ leaves to the caller.
    collective while the slowest rank finishes its rollouts, and every rank waits while checkpoints and the final
    model are written. The default, 2 hours, is sized for the report's stages 2-3 at 64 GPUs: the slowest rank's 256
    rollouts (8 prompts x 2G = 32) can all run to the 12,288-token budget, 3.1M tokens; a colocated 14B engine on an
-   H200 holds ~250K tokens of KV cache (memory_plan.py), ~18 such rollouts at once, and each decode step reads its
+   H200 holds ~250K tokens of KV cache (tools/memory_plan.py), ~18 such rollouts at once, and each decode step reads its
    weights and that cache (~70 GB at ~4.8 TB/s, ~15 ms) for ~18 tokens: ~1,200 tokens/s, ~45 minutes, plus the
    tool calls. Writing a 14B checkpoint adds minutes (the gathered model alone is 30-60 GB). Twice that worst case
    leaves room; a real hang still stops the run, after 2 hours instead of 10 minutes.

@@ -12,14 +12,14 @@ Two backends behind one interface (`submit`, `run`, `run_batch`, a context manag
 `ToolResult`s, timeouts and output caps); `backend="auto"` picks "servers" where os.fork,
 os.pidfd_open and os.memfd_create work (Linux), else "subprocess":
 - "servers" (Linux): the report's separate code service, on one machine. The caller never forks: it
-  starts W worker servers (code_sandbox.py) with subprocess and talks JSON lines to all of them from
+  starts W worker servers (sandbox/code_sandbox.py) with subprocess and talks JSON lines to all of them from
   one thread (_Pool). A server imports numpy, sympy, ... once (PRELOAD), then forks a child per
   call, so a call costs a fork, not an interpreter start and sympy's import. Half the servers
   preload only the standard-library modules: a call whose code imports nothing else (`needs_heavy`)
   goes to one of those, whose fork costs about half; heavy servers help with such calls only where a
   core may be free (pick_lane). The server enforces the wall-clock timeout from outside with
   SIGKILL, stops reading at max_output_bytes per stream (killing the call), and kills every process
-  the call left before the result goes back. code_sandbox.py says what a call costs.
+  the call left before the result goes back. sandbox/code_sandbox.py says what a call costs.
 - "subprocess" (any platform): a new interpreter per call (code_sandbox.run_once), watched by one
   of W threads of the caller (_Subprocesses): the same limits where the platform has them, at the
   price of an interpreter start per call, and sympy's import in every call that uses it. It is less
@@ -33,7 +33,7 @@ layers that hold, e.g. "namespaces+landlock(v7)+seccomp"; train.py and eval.py p
 in their run folder). In every mode: the wall-clock timeout, the output cap, a fresh directory per call as cwd,
 $HOME and $TMPDIR (removed after the call), and an environment with only PATH, PYTHONPATH and LD_LIBRARY_PATH of
 the caller's (and SYSTEMROOT on Windows). In every Linux mode also two kernel layers, in force before the code runs
-and inherited by all it starts (landlock_seccomp.py says exactly what each allows):
+and inherited by all it starts (sandbox/landlock_seccomp.py says exactly what each allows):
 - Landlock (Linux 5.13+): the code reads and executes only the Python install and the offered modules, reads the
   system's shared libraries, and writes only its call directory: not your home, the run folders, the project, /tmp,
   the machine's /dev/shm, nor /proc. ABI 4 (Linux 6.7) adds: no TCP; ABI 6 (6.12): no signal to a process outside
@@ -106,9 +106,9 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-import code_sandbox
-import landlock_seccomp
-from code_sandbox import PRELOAD, SCRATCH_MB
+from sandbox import code_sandbox
+from sandbox import landlock_seccomp
+from sandbox.code_sandbox import PRELOAD, SCRATCH_MB
 
 BACKENDS = ("auto", "servers", "subprocess")  # CodeTool(backend=...), config field tool_backend
 REPLY_GRACE_S = 10.0  # a server is dead when no reply comes this long after the call's timeout
@@ -348,7 +348,7 @@ def probe_servers() -> Sandbox:
 
 def choose_sandbox(backend: str = "auto", require_isolation: bool = False, layers: bool = True) -> Sandbox:
     """The sandbox a CodeTool(backend=backend) gets on this machine: the mode, and on Linux the kernel
-    layers it has (landlock_seccomp.py; layers=False: none, to measure their cost). Raises
+    layers it has (sandbox/landlock_seccomp.py; layers=False: none, to measure their cost). Raises
     SandboxError (one line) for an unknown backend, "servers" where they cannot run, and
     require_isolation without all of namespaces, Landlock and seccomp."""
     if backend not in BACKENDS:

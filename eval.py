@@ -40,7 +40,7 @@ stage-3 data ("the problems the stage-2 policy did not solve 8 of 8 times"), e.g
 
 (with several benchmarks, their unsolved problems are concatenated in benchmark order).
 
-Samplers (`sampler: hf | vllm`, hf_sampler.py and sampler.py): hf for the tiny model and small checks; vllm for
+Samplers (`sampler: hf | vllm`, samplers/hf.py and sampler.py): hf for the tiny model and small checks; vllm for
 real checkpoints at the report's budgets (HFSampler holds each slot's whole row of keys and values, unpaged, in one
 process). The seed is set again before each benchmark, so a benchmark's samples do not depend on which ran before
 it (hf; vLLM seeds its engine once); with `sync_turns=true` they do not depend on tool timing either.
@@ -77,7 +77,7 @@ from checkpoint import atomic_write_text, config_changes, filter_jsonl, read_jso
 from config import check_ranges, format_config, parse_cli, save_config
 from data import check_model_path, load_pretrained, load_problems, write_jsonl
 from protocol import DEFAULT_USER_INSTRUCTION, IM_END, TOOL_NAME, chat_format_of, parse_tool_call
-from report import write_report
+from tools.report import write_report
 from reward import check_many, default_pool, extract_answer, is_equivalent
 from rollout import rollout
 
@@ -498,7 +498,7 @@ def load_model(cfg: EvalConfig):
     launcher, on the rank's GPU."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from hf_sampler import HFSampler
+    from samplers.hf import HFSampler
     from sampler import VLLMSampler
     try:
         tokenizer = load_pretrained(AutoTokenizer, cfg.model_path)
@@ -602,7 +602,7 @@ def run(cfg: EvalConfig) -> dict | None:
     results = {name: results[name] for name, _ in benches}
     print(format_table(results))
     print(f"wrote {out / 'results.json'} and {traj_file}")
-    print(f"wrote {write_report(out)}")  # the page to browse them (report.py)
+    print(f"wrote {write_report(out)}")  # the page to browse them (tools/report.py)
     if cfg.unsolved_out is not None:
         missed = unsolved_from(traj_file, benches, k)
         write_jsonl(cfg.unsolved_out, missed)

@@ -25,7 +25,7 @@ while the others keep generating (the report's asynchronous tool dispatch, §3, 
   its own forward pass (`check_handoff`): a sampler still generating from old weights is caught, not trained on.
 
 Two implementations:
-- `HFSampler` (hf_sampler.py): a transformers causal LM driven by our own decode loop (slots, an in-place KV
+- `HFSampler` (samplers/hf.py): a transformers causal LM driven by our own decode loop (slots, an in-place KV
   cache, the keys and values of earlier turns reused), for the tiny CPU pipeline. It may share the trainer's model
   object (colocated): then `update_weights` has no weights to copy, only stale keys and values to drop.
 - `VLLMSampler`: `vllm.LLM` in this process, colocated with the trainer; on GPUs its sleep mode frees the memory
@@ -204,7 +204,7 @@ class VLLMSampler:
     instead would leave it half-updated). Then the prefix cache is dropped: it was computed with the old weights.
     `score` is vLLM's `prompt_logprobs` of the sequence.
 
-    Memory (GPU; vLLM 0.33's rules from its source, memory_plan.py has the arithmetic): the engine takes
+    Memory (GPU; vLLM 0.33's rules from its source, tools/memory_plan.py has the arithmetic): the engine takes
     `gpu_memory_utilization` x the GPU's total memory as the driver reports it, and refuses to start with less than
     that free (`request_memory`, vllm/v1/worker/utils.py); its KV cache is that share less its weights, its profile
     run's peak and its CUDA graphs (`Worker.determine_available_memory`, vllm/v1/worker/gpu_worker.py). With sleep

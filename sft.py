@@ -5,7 +5,7 @@ examples (function calling, code-as-tool-call, instruction following, chat), 3 e
 then cosine decay, batch 128 sequences. The report gives no weight decay or clip value for SFT; this file uses the RL stage's grad clip (1.0).
 
 Data: JSONL conversations in the common `messages` format with tool calls (`data.load_conversations`); the tiny task
-writes its own (`tiny_task.py`). Each conversation is rendered by `protocol.ChatFormat.render_messages` into
+writes its own (`tiny/task.py`). Each conversation is rendered by `protocol.ChatFormat.render_messages` into
 (text, trainable) segments: the prompt with `<|im_start|>assistant\\n<reason>`, each assistant turn (content, tool
 call, `<|im_end|>`), each tool-response turn with the re-opened assistant header. Each segment is tokenized on its
 own and the ids concatenated, so the boundaries are the ones a rollout has (it appends prompt, sampled turns and

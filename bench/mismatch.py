@@ -3,7 +3,7 @@
     .venv-vllm/bin/python bench/mismatch.py [--model runs/tiny/sft/model --data runs/tiny/data/train_level1.jsonl]
     .venv/bin/python bench/mismatch.py          # HFSampler only (no vLLM installed)
 
-The tiny pipeline's SFT model (`make tiny`, or its first three commands: tiny_pipeline.py's docstring) rolls out the
+The tiny pipeline's SFT model (`make tiny`, or its first three commands: tiny/pipeline.py's docstring) rolls out the
 same problems at temperature 1 with the real code tool and stage 1's budget, once per sampler: HFSampler (our decode
 loop, fp32, sharing the trainer's weights), and vLLM's CPU build in fp32 and in bf16 (eager). Each sampler's own
 rollouts are then scored by the fp32 trainer (train.token_logprobs on train.pad_batch micro-batches, as the update
@@ -28,7 +28,7 @@ import train  # noqa: E402
 from code_tool import CodeTool  # noqa: E402
 from data import load_problems  # noqa: E402
 from grpo_roc import mismatch_sums, sequence_log_ratios, sequence_mask_weights, sequence_mismatch  # noqa: E402
-from hf_sampler import HFSampler  # noqa: E402
+from samplers.hf import HFSampler  # noqa: E402
 from protocol import chat_format  # noqa: E402
 from rollout import rollout  # noqa: E402
 
@@ -70,7 +70,7 @@ def main() -> None:
     a = p.parse_args()
     if not (Path(a.model) / "config.json").is_file() or not Path(a.data).is_file():
         raise SystemExit(f"bench/mismatch.py: {a.model} or {a.data} is missing: run the tiny pipeline's first three "
-                         "commands (tiny_pipeline.py's docstring) or `make tiny` first")
+                         "commands (tiny/pipeline.py's docstring) or `make tiny` first")
     torch.manual_seed(a.seed)
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(a.model)

@@ -1,7 +1,7 @@
 """Benchmark: the report of a 200-problem x 4-sample evaluation opened in headless Chromium: size,
-bytes per rollout and time to open, for report.py's page and for a page with every sample in HTML.
+bytes per rollout and time to open, for tools/report.py's page and for a page with every sample in HTML.
 
-report.py embeds the rollouts as JSON and builds a problem's samples when the reader opens it. The
+tools/report.py embeds the rollouts as JSON and builds a problem's samples when the reader opens it. The
 alternative, "prerendered", is that page with every problem opened, its DOM serialized and its
 scripts removed: every sample as escaped HTML, nothing to build. The two are opened alternately,
 each in a fresh browser, and the medians of the page's own timings (Navigation and Paint Timing,
@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
-import report  # noqa: E402
-from browser import open_page  # noqa: E402
+from tools import report  # noqa: E402
+from tools.browser import open_page  # noqa: E402
 from code_tool import ToolResult  # noqa: E402
 from protocol import format_tool_call  # noqa: E402
 from rollout import PARSE_ERROR, ToolCallRecord, Trajectory  # noqa: E402
@@ -105,10 +105,10 @@ def timings(path: Path) -> dict:
 def measure(folder: Path, problems: int, samples: int, size: str, repeats: int) -> dict:
     """Sizes and median timings of both pages for one rollout size."""
     results, records = evaluation(problems, samples, size)
-    pages = {"report.py": folder / f"{size}_report.html",
+    pages = {"tools/report.py": folder / f"{size}_report.html",
              "prerendered": folder / f"{size}_prerendered.html"}
-    pages["report.py"].write_text(report.render_report(results, records, "bench"), encoding="utf-8")
-    html = open_page(str(pages["report.py"]), expressions=(OPEN_ALL,)).values[0]
+    pages["tools/report.py"].write_text(report.render_report(results, records, "bench"), encoding="utf-8")
+    html = open_page(str(pages["tools/report.py"]), expressions=(OPEN_ALL,)).values[0]
     pages["prerendered"].write_text(html, encoding="utf-8")
     runs = {name: [] for name in pages}
     for _ in range(repeats):  # alternate, so that drift in the machine's speed hits both alike
@@ -122,7 +122,7 @@ def measure(folder: Path, problems: int, samples: int, size: str, repeats: int) 
         rows[name] = {"bytes": size_bytes, "per_rollout": (size_bytes - empty) / len(records),
                       "load_ms": statistics.median(r["load_ms"] for r in runs[name]),
                       "paint_ms": statistics.median(r["first_paint_ms"] for r in runs[name])}
-    built = statistics.median(r["rendered_ms"] for r in runs["report.py"])
+    built = statistics.median(r["rendered_ms"] for r in runs["tools/report.py"])
     return {"rows": rows, "jsonl_per_rollout": jsonl / len(records), "built_ms": built}
 
 
@@ -143,10 +143,10 @@ def main() -> None:
             for name, r in m["rows"].items():
                 print(f"{size:<9}{name:<13}{r['bytes'] / 1e6:7.2f}{r['per_rollout']:11.0f}"
                       f"{m['jsonl_per_rollout']:11.0f}{r['load_ms']:9.0f}{r['paint_ms']:14.0f}")
-            a, b = m["rows"]["report.py"], m["rows"]["prerendered"]
-            print(f"{'':<9}prerendered / report.py: size {b['bytes'] / a['bytes']:.2f}x, load "
+            a, b = m["rows"]["tools/report.py"], m["rows"]["prerendered"]
+            print(f"{'':<9}prerendered / tools/report.py: size {b['bytes'] / a['bytes']:.2f}x, load "
                   f"{b['load_ms'] / a['load_ms']:.2f}x, first paint "
-                  f"{b['paint_ms'] / a['paint_ms']:.2f}x; report.py's page built at "
+                  f"{b['paint_ms'] / a['paint_ms']:.2f}x; tools/report.py's page built at "
                   f"{m['built_ms']:.0f} ms")
 
 

@@ -52,10 +52,10 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
 from code_tool import CodeTool  # noqa: E402
 from protocol import TOOL_NAME, chat_format  # noqa: E402
 from rollout import means, rollout, rollout_sums  # noqa: E402
-from hf_sampler import HFSampler  # noqa: E402
+from samplers.hf import HFSampler  # noqa: E402
 from sampler import generate_all  # noqa: E402
 from sft import build_labels, collate, masked_lm_loss  # noqa: E402
-from tiny_model import build_tiny  # noqa: E402
+from tiny.model import build_tiny  # noqa: E402
 
 
 def conversation(rng: random.Random) -> tuple[str, list[dict]]:

@@ -27,7 +27,7 @@ Assumptions (each a choice, printed above the table):
 - an engine step takes a + b x running sequences + c x tokens in the KV cache seconds, the terms added (no overlap):
   a = reading the bf16 weights at the GPU's memory bandwidth, c = reading one token's keys and values, b = a
   sequence's 2 x params FLOPs at the GPU's peak bf16 rate. The model's shape and the KV cache's size (its tokens)
-  come from memory_plan.py for the config. Peak rates make every time optimistic by about the same factor; the
+  come from tools/memory_plan.py for the config. Peak rates make every time optimistic by about the same factor; the
   idle fractions are what is compared;
 - a sequence is admitted (first come, first served, head of line) only while its eventual KV need, prompt +
   response tokens, fits beside what the running sequences will need: no preemption, and the cache packed as well
@@ -46,7 +46,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import memory_plan  # noqa: E402
+from tools import memory_plan  # noqa: E402
 
 H200_BANDWIDTH = 4.8e12   # bytes/s, HBM3e (NVIDIA's H200 datasheet)
 H200_BF16_FLOPS = 989e12  # dense bf16 tensor FLOP/s (NVIDIA's H200 datasheet, without sparsity)
@@ -226,7 +226,7 @@ def ideal(lengths: np.ndarray, ranks: int, capacity: float, cost: DecodeCost, pr
 # ============================================================================ the printed plan
 def engine_plan(config_path: str) -> tuple[memory_plan.Shape, float, dict]:
     """(model shape, the vLLM engine's KV cache tokens, the config's step sizes) from a training config, by
-    memory_plan.py's rules. Loads train.TrainConfig (imports torch: a couple of seconds)."""
+    tools/memory_plan.py's rules. Loads train.TrainConfig (imports torch: a couple of seconds)."""
     import train
     from config import load_config
     path = Path(config_path)

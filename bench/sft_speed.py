@@ -43,8 +43,8 @@ from sft import (SFTConfig, LengthGroupedBatches, build_examples, collate, maske
 
 def prepare(folder: Path, n_sft: int) -> tuple[Path, Path]:
     """The tiny base model and an SFT file of `n_sft` conversations from the tiny task."""
-    for cmd in ([sys.executable, "tiny_model.py", str(folder / "base")],
-                [sys.executable, "tiny_task.py", str(folder / "data"), "--n-sft", str(n_sft), "--n-train", "16",
+    for cmd in ([sys.executable, "-m", "tiny.model", str(folder / "base")],
+                [sys.executable, "-m", "tiny.task", str(folder / "data"), "--n-sft", str(n_sft), "--n-train", "16",
                  "--n-test", "8"]):
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
     return folder / "base", folder / "data" / "sft.jsonl"
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps per way first (compilation too)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: cpu_threads.py's choice)")
     parser.add_argument("--data", type=Path, help="an SFT file (default: the tiny task's, made here)")
-    parser.add_argument("--model", type=Path, help="a base model folder (default: tiny_model.py's, made here)")
+    parser.add_argument("--model", type=Path, help="a base model folder (default: tiny/model.py's, made here)")
     parser.add_argument("--ways", default="all", help="comma-separated names of the ways to run (default all)")
     parser.add_argument("--no-processes", action="store_true", help="leave out the sft.py runs (one / two ranks)")
     parser.add_argument("--profile", action="store_true", help="print the shipped loop's top operators")

@@ -374,7 +374,7 @@ def held_out(model_dir: Path, sft: Path, data: Path, w: Workload) -> dict:
     from code_tool import CodeTool
     from data import load_problems
     from eval import evaluate
-    from hf_sampler import HFSampler
+    from samplers.hf import HFSampler
     torch.manual_seed(w.seed)
     tokenizer = AutoTokenizer.from_pretrained(sft)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -403,12 +403,12 @@ def worker(arm: str, w: Workload, sft: Path, data: Path, out: Path) -> None:
 # ============================================================================ the driver and the table
 def ensure_sft(root: Path, quick: bool) -> Path:
     """make tiny's SFT model under root, built by tiny_pipeline's own steps (model, task, SFT) when absent."""
-    import tiny_pipeline as tp
+    from tiny import pipeline as tp
     if (root / "sft" / "model" / "config.json").is_file():
         return root / "sft" / "model"
     data = root / "data"
-    base = tp.step(root / "base", ["tiny_model.py", str(root / "base")])
-    task = tp.step(data, ["tiny_task.py", str(data), "--tool-backend", "auto"] + (tp.QUICK["task"] if quick else []))
+    base = tp.step(root / "base", ["-m", "tiny.model", str(root / "base")])
+    task = tp.step(data, ["-m", "tiny.task", str(data), "--tool-backend", "auto"] + (tp.QUICK["task"] if quick else []))
     tp.step(root / "sft", ["sft.py", "configs/tiny/sft.yaml", f"model_path={root / 'base'}",
                            f"data={data / 'sft.jsonl'}", f"out_dir={root / 'sft'}"]
             + (tp.QUICK["sft"] if quick else []), after=[base, task])

@@ -24,11 +24,11 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer_dir() -> Path:
-    """Qwen3-Base's tokenizer folder, built from the rank file that `make qwen-vocab` fetches (qwen_vocab.py).
+    """Qwen3-Base's tokenizer folder, built from the rank file that `make qwen-vocab` fetches (tools/qwen_vocab.py).
     Without that file the tests that need it skip, saying so; RSTAR2_REQUIRE_QWEN=1 (`make test` sets it) makes a
     missing file a failure instead."""
     import os
-    import qwen_vocab
+    from tools import qwen_vocab
     if not qwen_vocab.RANKS_FILE.is_file() and os.environ.get("RSTAR2_REQUIRE_QWEN") != "1":
         pytest.skip(f"the Qwen ranks are not fetched ({qwen_vocab.RANKS_FILE}): run `make qwen-vocab`")
     return qwen_vocab.tokenizer_dir()

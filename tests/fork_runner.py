@@ -25,7 +25,7 @@ import sft  # noqa: E402
 import train  # noqa: E402
 from scripted_policy import ScriptedSampler  # noqa: E402
 # transformers imports a model's code on first use (seconds): import what the tiny model uses here, once
-from tiny_model import Qwen3ForCausalLM, PreTrainedTokenizerFast  # noqa: E402, F401
+from tiny.model import Qwen3ForCausalLM, PreTrainedTokenizerFast  # noqa: E402, F401
 from accelerate import Accelerator  # noqa: E402, F401
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from convert_data import DAPO_PREFIX, DAPO_SUFFIX
+from tools.convert_data import DAPO_PREFIX, DAPO_SUFFIX
 from protocol import TOOL_NAME, chat_format
 
 # (problem, answer, code that computes it): integer answers, as DAPO-Math-17k's are
@@ -74,7 +74,7 @@ def taught_conversations() -> list[list[dict]]:
 
 def base_model(folder: Path, steps: int = 60, lr: float = 1e-2, system_prompt: str = "default") -> Path:
     """The rehearsal's base model (module docstring), saved in bf16 with Qwen3-Base's tokenizer in `folder`."""
-    import qwen_vocab
+    from tools import qwen_vocab
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from sft import build_labels, IGNORE
     qwen_vocab.random_qwen3(folder)

@@ -42,7 +42,7 @@ if __name__ == "__main__":
         os._exit(0)  # the group is broken: skip the shutdown's collectives
     from transformers import Qwen3Config, Qwen3ForCausalLM
     if mode == "reshard":
-        import tiny_model
+        from tiny import model as tiny_model
         acc = accel.make_accelerator(mixed_precision="bf16", report_to=None, out_dir=str(out), timeout_s=60)
         torch.manual_seed(0)
         tied = tiny_model.build_model(tiny_model.build_tokenizer(), hidden=32, layers=2, heads=2)

@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from hf_sampler import load_named_weights
+from samplers.hf import load_named_weights
 from protocol import IM_END, format_tool_call
 from sampler import Completion, TurnSampler, sequence_logprobs
 

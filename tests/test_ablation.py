@@ -1,4 +1,4 @@
-"""ablation.py: the arms differ only in the RoC fields, and the table and plots are computed from the run logs."""
+"""tiny/ablation.py: the arms differ only in the RoC fields, and the table and plots are computed from the run logs."""
 import argparse
 import json
 import statistics
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import ablation
+from tiny import ablation
 from config import load_config
 from train import TrainConfig
 

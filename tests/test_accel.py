@@ -54,7 +54,7 @@ def test_a_no_grad_forward_leaves_the_output_group_gathered_and_reshard_frees_it
     done, ranks = launch("configs/accelerate/fsdp_1node_8gpu.yaml", "reshard", tmp_path, 29654, {"CPU_FSDP": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(ranks) == 2
-    from tiny_model import build_tokenizer
+    from tiny.model import build_tokenizer
     vocab = len(build_tokenizer())  # 118
     for rank in ranks:
         # the whole tensors in bf16 (2 bytes), not a shard: vocab x 32 embedding, 64 x 32 lm_head, norm of 32
@@ -130,8 +130,8 @@ def test_train_py_stops_before_any_work_when_its_tracker_cannot_start(no_tracker
 
 
 def test_sft_py_stops_before_any_work_when_its_tracker_cannot_start(no_trackers, tmp_path):
-    from tiny_model import build_tiny
-    from tiny_task import write_task
+    from tiny.model import build_tiny
+    from tiny.task import write_task
     data = write_task(tmp_path / "data", n_train=2, n_test=1, n_sft=2, workers=1)["sft"]
     model = build_tiny(tmp_path / "model", hidden=16, layers=1, heads=2)
     cfg = sft.SFTConfig(model_path=str(model), data=str(data), out_dir=str(tmp_path / "run"), report_to="tensorboard")

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-import code_sandbox
+from sandbox import code_sandbox
 import code_tool
-from code_sandbox import CHILD_GC_THRESHOLD, SCRATCH_MB
+from sandbox.code_sandbox import CHILD_GC_THRESHOLD, SCRATCH_MB
 from code_tool import CodeTool, Sandbox, SandboxError, ToolResult, cut_middle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -560,7 +560,7 @@ def test_a_heavy_server_takes_a_light_call_once_the_light_one_is_on_a_slow_call(
 
 def test_a_call_child_inherits_no_at_fork_handlers_of_threading(solo):
     """The server imports no threading (nor subprocess, logging, concurrent.futures): their at-fork handlers would
-    run in every call child (code_sandbox.py's cost model)."""
+    run in every call child (sandbox/code_sandbox.py's cost model)."""
     assert solo.run("import sys\nsorted(m for m in ('threading', 'subprocess', 'logging') if m in sys.modules)"
                     ).stdout == "[]\n"
     assert solo.run("import threading\nthreading.Thread(target=print, args=(5,)).start()").stdout == "5\n"

@@ -1,4 +1,4 @@
-"""The code tool as a boundary (landlock_seccomp.py, code_tool.py's modes): one test per hostile act of model code
+"""The code tool as a boundary (sandbox/landlock_seccomp.py, code_tool.py's modes): one test per hostile act of model code
 against the user's files, the trainer's process, the network and the kernel, in every mode this machine can make:
 the worker servers in namespaces, the servers without them (the fallback, forced) and the subprocess backend, each as
 the caller (root, in CI) and, where the caller is root, as an unprivileged user (nobody) who holds the tool for its

@@ -1,4 +1,4 @@
-"""convert_data.py on small local fixtures in the public sets' layouts (no network): the DAPO prompt stripped, the
+"""tools/convert_data.py on small local fixtures in the public sets' layouts (no network): the DAPO prompt stripped, the
 repeated block and conflicting answers handled, MATH's boxed answers, decontamination against data/."""
 import json
 import os
@@ -11,8 +11,8 @@ import huggingface_hub
 import pytest
 from huggingface_hub import errors as hub_errors
 
-import convert_data
-from convert_data import DAPO_PREFIX, DAPO_SUFFIX, last_boxed
+from tools import convert_data
+from tools.convert_data import DAPO_PREFIX, DAPO_SUFFIX, last_boxed
 from data import load_conversations, load_problems
 
 
@@ -87,14 +87,14 @@ def test_bad_input_is_one_line(tmp_path):
 
 HUB_MESSAGE = ("convert_data: the Hugging Face hub could not be reached ({}); download data/dapo-math-17k.parquet "
                "from https://huggingface.co/datasets/BytedTsinghua-SIA/DAPO-Math-17k and give its path: "
-               "python convert_data.py dapo dapo-math-17k.parquet {}")
+               "python -m tools.convert_data dapo dapo-math-17k.parquet {}")
 
 
 def test_hub_offline_is_one_line_saying_how_to_give_the_file(tmp_path):
     """The real download under HF_HUB_OFFLINE=1 (no wait on retries): one line on stderr, no traceback."""
     root = Path(convert_data.__file__).parent
     out = tmp_path / "dapo.jsonl"
-    done = subprocess.run([sys.executable, "convert_data.py", "dapo", "hub", str(out)], cwd=root, timeout=120,
+    done = subprocess.run([sys.executable, "tools/convert_data.py", "dapo", "hub", str(out)], cwd=root, timeout=120,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
                                "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     assert done.returncode == 1 and done.stdout == ""
@@ -156,7 +156,7 @@ def test_tir_solutions_become_tool_calling_conversations_with_the_tool_s_own_rep
 
 
 def test_converted_tir_tool_turns_are_what_a_rollout_appends_token_for_token(tmp_path, qwen_tokenizer_dir):
-    """NuminaMath-TIR rows (parquet, the set's own layout) through convert_data.py, on Qwen3-Base's vocabulary: for
+    """NuminaMath-TIR rows (parquet, the set's own layout) through tools/convert_data.py, on Qwen3-Base's vocabulary: for
     every tool turn of every converted conversation, the ids SFT trains around equal the ids a rollout appends after
     running the same call through the code tool (before: 0 of them did; the dataset's bare output is not what the
     tool shows)."""

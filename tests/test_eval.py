@@ -15,7 +15,7 @@ from protocol import IM_END, format_tool_call
 from rollout import ToolCallRecord, Trajectory
 from sampler import Completion, TurnSampler
 from stops import Stop
-from tiny_model import build_tiny, build_tokenizer
+from tiny.model import build_tiny, build_tokenizer
 
 TOK = build_tokenizer()
 IM_END_ID = TOK.convert_tokens_to_ids(IM_END)
@@ -190,7 +190,7 @@ def test_cli_run_with_scripted_sampler_writes_results_and_exactly_the_unsolved(t
     assert [(r["problem_index"], r["sample"]) for r in records] == [(i, j) for i in range(3) for j in range(3)]
     assert [r["reward"] for r in records[:3]] == [1.0, 1.0, 1.0]
     assert records[0]["tool_calls"][0]["code"] == "print(3*4)" and records[0]["pred"] == "12"
-    page = (tmp_path / "out" / "report.html").read_text()  # the page to browse them (report.py)
+    page = (tmp_path / "out" / "report.html").read_text()  # the page to browse them (tools/report.py)
     assert '"problem":"Problem B."' in page and "<td>3 × 3</td>" in page
     text = ev.show(tmp_path / "out" / "trajectories.jsonl", 0)
     assert "Problem A." in text and "--- tool call ok: code\nprint(3*4)" in text and "\\boxed{12}" in text

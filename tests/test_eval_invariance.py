@@ -20,7 +20,7 @@ import pytest
 import eval as ev
 from data import write_jsonl
 from scripted_policy import say_problems
-from tiny_model import build_tiny
+from tiny.model import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "run_scripted_eval.py"
@@ -161,7 +161,7 @@ def test_eval_vllm_tensor_parallel_under_a_launcher_is_a_config_error(tmp_path, 
 def test_eval_vllm_under_a_launcher_is_one_engine_per_rank_seeded_seed_plus_rank(tmp_path, monkeypatch):
     """vLLM is not installed here: the arguments load_model gives VLLMSampler on rank 1 of 2."""
     import sampler
-    from tiny_model import build_tokenizer
+    from tiny.model import build_tokenizer
     build_tokenizer().save_pretrained(tmp_path / "model")
     built = []
     monkeypatch.setattr(sampler, "VLLMSampler", lambda *args, **kwargs: built.append(kwargs) or "engine")

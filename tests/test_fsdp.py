@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from data import write_jsonl
-from hf_sampler import load_named_weights
+from samplers.hf import load_named_weights
 from scripted_policy import say_problems
-from tiny_model import build_tiny
+from tiny.model import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "run_scripted_train.py"
@@ -147,7 +147,7 @@ def test_gathered_weights_send_a_tied_weight_under_each_name_in_the_sampler_s_dt
 def test_sft_under_fsdp_saves_the_whole_model_of_one_process(tiny, tmp_path):
     """sft.py's save under FSDP2 (it wrote DTensor shards through save_pretrained and failed): two ranks with
     micro-batch 4 match one rank accumulating two micro-batches (as tests/test_sft.py checks for DDP)."""
-    from tiny_task import write_task
+    from tiny.task import write_task
     data = write_task(tmp_path / "data", n_train=4, n_test=2, n_sft=16, workers=1)["sft"]
     args = [f"model_path={tiny / 'base'}", f"data={data}", "max_steps=2", "lr=3e-3", "batch_size=8",
             "micro_batch_size=4", "log_every=1", "system_prompt=compact", "user_instruction="]

@@ -151,7 +151,7 @@ def test_math_verify_comes_from_the_carried_wheels_or_one_line_says_how(tmp_path
 
 
 def test_missing_ranks_without_network_stop_with_one_line(tmp_path, monkeypatch):
-    import qwen_vocab
+    from tools import qwen_vocab
 
     def offline():
         raise SystemExit("qwen_vocab: `pip download --no-deps qwen-agent==0.0.34` failed")

@@ -16,7 +16,7 @@ import train
 from config import parse_cli
 from data import write_jsonl
 from scripted_policy import say_problems
-from tiny_model import build_tiny
+from tiny.model import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

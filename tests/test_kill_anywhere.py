@@ -27,7 +27,7 @@ import torch
 from data import write_jsonl
 from protocol import TOOL_NAME
 from scripted_policy import say_problems
-from tiny_model import build_tiny
+from tiny.model import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

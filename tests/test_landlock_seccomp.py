@@ -1,4 +1,4 @@
-"""Executable spec of landlock_seccomp.py: the system-call tables against the kernel's headers, the seccomp program
+"""Executable spec of sandbox/landlock_seccomp.py: the system-call tables against the kernel's headers, the seccomp program
 against a reference interpreter of classic BPF (for both architectures, whatever this machine is), what the sandbox
 line and tool_require_isolation say, and a kernel with less (an older Landlock ABI, none, no seccomp) getting what
 it has. The hostile calls themselves: tests/test_code_tool_boundary.py."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import code_tool
-import landlock_seccomp as ls
+from sandbox import landlock_seccomp as ls
 from code_tool import CodeTool, Sandbox, SandboxError
 
 HEADERS = {"x86_64": "/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "aarch64": "/usr/include/asm-generic/unistd.h"}

@@ -19,7 +19,7 @@ from data import write_jsonl
 from grpo_roc import group_advantages
 from protocol import IM_END, chat_format
 from sampler import Completion, TurnSampler, sequence_logprobs
-from tiny_model import build_tiny
+from tiny.model import build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PREFIX = "</reason>\n<answer>\\boxed{"  # the answer turn up to the sampled digit

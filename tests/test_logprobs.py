@@ -52,7 +52,7 @@ def test_chunks_hold_at_most_chunk_elements_and_at_least_one_position():
 
 def test_token_logprobs_of_a_model_match_the_direct_way():
     """train.token_logprobs on a real causal LM: the shift (position t scores token t+1) and the temperature."""
-    from tiny_model import build_model, build_tokenizer
+    from tiny.model import build_model, build_tokenizer
     import train
     tok = build_tokenizer()
     model = build_model(tok, hidden=32, layers=1, heads=2)

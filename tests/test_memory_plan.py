@@ -1,11 +1,11 @@
-"""memory_plan.py: parameter counts against the real transformers models, the memory estimate by hand values, the
+"""tools/memory_plan.py: parameter counts against the real transformers models, the memory estimate by hand values, the
 per-rank engine layout, and the dry-run plan that prints them."""
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import train
-from memory_plan import (GB, PUBLIC_CONFIGS, Shape, engine_layout, logprob_chunk_bytes, memory_per_gpu,
+from tools.memory_plan import (GB, PUBLIC_CONFIGS, Shape, engine_layout, logprob_chunk_bytes, memory_per_gpu,
                          sft_memory_lines, sft_memory_per_gpu)
 
 TOY = Shape(layers=2, hidden=4, intermediate=8, heads=2, kv_heads=1, head_dim=2, vocab=10, tied=False)
@@ -49,7 +49,7 @@ def test_memory_terms_by_hand():
 
 def test_the_logits_term_counts_one_chunk_of_logprobs_py():
     import logprobs
-    from memory_plan import LOGPROB_CHUNK_ELEMENTS, logprob_chunk_bytes
+    from tools.memory_plan import LOGPROB_CHUNK_ELEMENTS, logprob_chunk_bytes
     assert LOGPROB_CHUNK_ELEMENTS == logprobs.CHUNK_ELEMENTS
     assert logprob_chunk_bytes(12_288, 151_936) == 2 * 4 * logprobs.chunk_positions(151_936) * 151_936  # 134 MB
     assert logprob_chunk_bytes(3, 151_936) == 2 * 4 * 3 * 151_936  # fewer tokens than a chunk
@@ -145,7 +145,7 @@ def test_the_sft_logits_term_is_what_masked_lm_loss_holds():
     on bf16 logits (FSDP2's), the largest running sum per token and vocabulary entry (12 B if sft.py let go of
     the bf16 logits before its backward)."""
     import sft
-    from memory_plan import SFT_LOGITS_BYTES
+    from tools.memory_plan import SFT_LOGITS_BYTES
     T, V, H = 64, 4096, 16
     g = torch.Generator().manual_seed(0)
     h = torch.randn(1, T, H, generator=g).requires_grad_()

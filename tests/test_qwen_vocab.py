@@ -1,4 +1,4 @@
-"""Qwen3-Base's tokenizer rebuilt from its BPE ranks (qwen_vocab.py): the same ids as tiktoken on the same ranks,
+"""Qwen3-Base's tokenizer rebuilt from its BPE ranks (tools/qwen_vocab.py): the same ids as tiktoken on the same ranks,
 the added tokens at Qwen3's ids, and random models saved the way a hub checkpoint arrives."""
 import json
 import random
@@ -7,8 +7,8 @@ import unicodedata
 import pytest
 import torch
 
-import qwen_vocab
-from qwen_vocab import ADDED_TOKENS, EMBEDDING_ROWS, EOS_ID, NUM_RANKS
+from tools import qwen_vocab
+from tools.qwen_vocab import ADDED_TOKENS, EMBEDDING_ROWS, EOS_ID, NUM_RANKS
 
 
 @pytest.fixture(scope="module")

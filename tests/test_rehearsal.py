@@ -1,6 +1,6 @@
 """The real recipe, rehearsed on the CPU with real parts: configs/qwen3-0.6b/ (sft.yaml, stage1.yaml, eval.yaml) with
-size overrides only (steps, batch, budgets, workers), through convert_data.py -> sft.py -> train.py -> eval.py, on
-- Qwen3-Base's vocabulary and generation config (qwen_vocab.py: eos and pad <|endoftext|>, no BOS, the added tokens
+size overrides only (steps, batch, budgets, workers), through tools/convert_data.py -> sft.py -> train.py -> eval.py, on
+- Qwen3-Base's vocabulary and generation config (tools/qwen_vocab.py: eos and pad <|endoftext|>, no BOS, the added tokens
   at their ids) and a small Qwen3 of it saved in bf16, as a hub checkpoint is (tests/rehearsal.py says how it is
   made and why it is taught to answer first);
 - rows in the exact layouts of DAPO-Math-17k and NuminaMath-TIR, written as parquet;
@@ -11,7 +11,7 @@ size overrides only (steps, batch, budgets, workers), through convert_data.py ->
 It checks the properties the GPU run depends on and the tiny pipeline cannot show: the weights change as fp32
 masters do, every model/ comes back in bf16, the hand-off passes with bf16 on both sides and still stops a stale
 sampler, RL shows each tool reply token for token as SFT trained it, and the update's peak memory at this vocabulary
-is what memory_plan.py says. The vLLM flag beyond sizes: vllm_enforce_eager=true (no torch.compile on the CPU).
+is what tools/memory_plan.py says. The vLLM flag beyond sizes: vllm_enforce_eager=true (no torch.compile on the CPU).
 """
 import json
 import os
@@ -33,10 +33,10 @@ except ImportError as e:
 import safetensors.torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-import convert_data  # noqa: E402
+from tools import convert_data  # noqa: E402
 import rehearsal  # noqa: E402
 from data import load_conversations, load_problems  # noqa: E402
-from memory_plan import GB, Shape, memory_per_gpu  # noqa: E402
+from tools.memory_plan import GB, Shape, memory_per_gpu  # noqa: E402
 from protocol import chat_format, encode, tool_response_turn  # noqa: E402
 from sft import IGNORE, build_labels  # noqa: E402
 
@@ -183,7 +183,7 @@ def bf16_sampler(path: Path, tok):
         from sampler import VLLMSampler
         return VLLMSampler(str(path), tok, seed=0, dtype="bfloat16", enforce_eager=True,
                            kv_cache_memory_bytes=256 << 20)
-    from hf_sampler import HFSampler
+    from samplers.hf import HFSampler
     return HFSampler(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), tok)
 
 

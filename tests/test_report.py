@@ -1,7 +1,7 @@
-"""report.py on a recorded evaluation (tests/data/eval_recorded, written by eval.trajectory_record:
+"""tools/report.py on a recorded evaluation (tests/data/eval_recorded, written by eval.trajectory_record:
 2 benchmarks, 4 problems x 2 samples, every tool-call status, a model answer holding <script>):
 the page's data, escaping, the comparison of two evaluations, bad input; then the pages in
-headless Chromium (browser.py), and the browser check failing on broken pages."""
+headless Chromium (tools/browser.py), and the browser check failing on broken pages."""
 import json
 import re
 import shutil
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import browser
+from tools import browser
 import eval as ev
-import report
+from tools import report
 from rollout import ToolCallRecord, Trajectory
 
 RECORDED = Path(__file__).resolve().parent / "data" / "eval_recorded"

@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_sampler import HFSampler
+from samplers.hf import HFSampler
 from protocol import IM_END, TOOL_NAME, chat_format, format_tool_call, parse_tool_call, tool_response_turn
 from rollout import PARSE_ERROR, Trajectory, means, rollout, rollout_sums
 from sampler import Completion, TurnSampler
-from tiny_model import build_tiny, build_tokenizer
+from tiny.model import build_tiny, build_tokenizer
 
 FMT = chat_format("compact")
 TOK = build_tokenizer()

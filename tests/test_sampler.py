@@ -1,4 +1,4 @@
-"""sampler.py and hf_sampler.py: HFSampler on the tiny model (stops, log-probs, budgets, weights), the weight hand-off
+"""sampler.py and samplers/hf.py: HFSampler on the tiny model (stops, log-probs, budgets, weights), the weight hand-off
 check, and VLLMSampler against a fake engine shaped like vLLM's for what vLLM's CPU build cannot show (sleep mode,
 refusals). The real engine: tests/test_vllm_engine.py."""
 import ast
@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_sampler import PREFILL_FORWARD_COST, HFSampler, prefill_groups
+from samplers.hf import PREFILL_FORWARD_COST, HFSampler, prefill_groups
 from protocol import IM_END
 from sampler import HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs
-from tiny_model import build_tiny
+from tiny.model import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 

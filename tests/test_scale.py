@@ -14,7 +14,7 @@ import torch
 
 from data import write_jsonl
 from scripted_policy import say_problems
-from tiny_model import build_tiny
+from tiny.model import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "run_scripted_train.py"

@@ -16,7 +16,7 @@ from protocol import IM_END, TOOL_NAME, chat_format, format_tool_call
 from sft import (IGNORE, LengthGroupedBatches, SFTConfig, build_examples, build_labels, collate, lr_factor,
                  masked_lm_loss, pack, train)
 from stops import Stop, save_dies_halfway
-from tiny_model import build_model, build_tiny, build_tokenizer
+from tiny.model import build_model, build_tiny, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL = {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"code": "print(12*34)", "input": ""}}}

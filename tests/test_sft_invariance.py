@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from data import load_conversations
 from protocol import TOOL_NAME, chat_format
 from sft import IGNORE, build_examples
-from tiny_model import build_tiny
+from tiny.model import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = str(ROOT / "tests" / "run_sft_recorded.py")

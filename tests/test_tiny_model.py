@@ -1,10 +1,10 @@
-"""tiny_model.py: the character tokenizer round-trips the protocol exactly; the model loads like a real checkpoint."""
+"""tiny/model.py: the character tokenizer round-trips the protocol exactly; the model loads like a real checkpoint."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from protocol import IM_END, SPECIAL_TOKENS, TOOL_NAME, chat_format, tool_response_turn
-from tiny_model import PHRASES, build_tiny, main
+from tiny.model import PHRASES, build_tiny, main
 
 
 @pytest.fixture(scope="module")

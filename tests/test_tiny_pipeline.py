@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import tiny_pipeline
+from tiny import pipeline as tiny_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_pipeline_runs_every_stage_and_a_changed_rerun_ends_with_its_own_numbers(tmp_path, monkeypatch):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     root = tmp_path / "tiny"
-    done = subprocess.run([sys.executable, "tiny_pipeline.py", "--quick", "--root", str(root)],
+    done = subprocess.run([sys.executable, "-m", "tiny.pipeline", "--quick", "--root", str(root)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     summary = json.loads((root / "summary.json").read_text())

@@ -1,4 +1,4 @@
-"""tiny_task.py: deterministic, disjoint splits with correct answers; SFT traces that render and show real tool text."""
+"""tiny/task.py: deterministic, disjoint splits with correct answers; SFT traces that render and show real tool text."""
 import json
 import random
 import re
@@ -8,7 +8,7 @@ import pytest
 from code_tool import CodeTool
 from data import load_conversations, load_problems
 from protocol import chat_format
-from tiny_task import buggy_code, draw_problem, main, near_miss, trace_kinds, write_task
+from tiny.task import buggy_code, draw_problem, main, near_miss, trace_kinds, write_task
 
 SIZES = {"n_train": 40, "n_test": 15, "n_sft": 60, "n_val": 10}
 MIX = {"direct": 0.4, "tool": 0.2, "sloppy": 0.2, "fix": 0.2}

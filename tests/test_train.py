@@ -15,7 +15,7 @@ from protocol import chat_format
 from rollout import rollout
 from scripted_policy import ScriptedSampler, say_problems
 from stops import Stop, save_dies_halfway
-from tiny_model import build_tiny
+from tiny.model import build_tiny
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

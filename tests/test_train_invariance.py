@@ -26,7 +26,7 @@ import pytest
 
 from data import write_jsonl
 from scripted_policy import say_problems
-from tiny_model import build_tiny
+from tiny.model import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "run_scripted_train.py"

@@ -7,7 +7,7 @@ Run in a pytest process of its own: building an engine in-process changes proces
 which, and VLLMSampler puts it back; a test here checks that). Skipped where vLLM is not installed, unless
 RSTAR2_REQUIRE_VLLM=1 (CI sets it): then a missing engine is a failure.
 
-The model is the tiny Qwen3 of tiny_model.py, fine-tuned here for a few seconds on one scripted tool conversation,
+The model is the tiny Qwen3 of tiny/model.py, fine-tuned here for a few seconds on one scripted tool conversation,
 so that greedy decoding calls the real code tool, reads its answer and answers. The sampler-trainer gap is measured
 on it with an fp32 engine and a bf16 one, against the fp32 trainer."""
 import math
@@ -40,7 +40,7 @@ from protocol import IM_END, TOOL_NAME, chat_format  # noqa: E402
 from rollout import rollout  # noqa: E402
 from sampler import HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs  # noqa: E402
 from sft import build_labels, collate, masked_lm_loss  # noqa: E402
-from tiny_model import build_tiny  # noqa: E402
+from tiny.model import build_tiny  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20}

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import vs_trl  # noqa: E402
 from code_tool import CodeTool  # noqa: E402
 from protocol import TOOL_NAME, format_tool_call, tool_response_turn  # noqa: E402
-from tiny_model import build_tokenizer  # noqa: E402
+from tiny.model import build_tokenizer  # noqa: E402
 from train import prompt_indices  # noqa: E402
 
 try:

@@ -15,7 +15,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import code_sandbox  # noqa: E402
+from sandbox import code_sandbox  # noqa: E402
 
 PR_SET_DUMPABLE = 4
 

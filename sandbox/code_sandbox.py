@@ -1,9 +1,9 @@
 """The sandbox side of the code tool (code_tool.py): the worker server, the call child it forks per
 call, and the per-call interpreter of the portable subprocess backend.
 
-A worker server is one long-lived Python (`python code_sandbox.py --serve OPTIONS BASE`), started by
+A worker server is one long-lived Python (`python sandbox/code_sandbox.py --serve OPTIONS BASE`), started by
 CodeTool, as init of its own namespaces where `unshare` works. It imports its modules once, builds
-the Landlock ruleset and installs the seccomp filter (landlock_seccomp.py), then answers one JSON
+the Landlock ruleset and installs the seccomp filter (sandbox/landlock_seccomp.py), then answers one JSON
 request line per call on stdin with one JSON reply line on stdout: it forks a call child in a fresh
 directory under BASE, watches it from outside (wall clock, output bytes), kills whatever the call
 left behind, empties BASE of what the call wrote, and describes the outcome. The child confines
@@ -53,7 +53,10 @@ import tempfile
 import time
 import traceback
 
-import landlock_seccomp
+try:  # imported by code_tool.py as part of the sandbox package
+    from sandbox import landlock_seccomp
+except ImportError:  # run as a script (the server, a one-shot call): this folder is sys.path[0]
+    import landlock_seccomp
 
 try:
     import resource  # POSIX
@@ -467,7 +470,7 @@ def serve(options: dict, base: str) -> None:
         exec(WARMUP, {})  # lazy imports and caches filled once, here, not in every call
     # What every call child inherits, set once here: no new privileges (setuid binaries give the
     # code none) and the seccomp filter; the Landlock ruleset, which a child enters with one system
-    # call (landlock_seccomp.py); the std streams (the child points fds 0-2 at its pipes): new ones
+    # call (sandbox/landlock_seccomp.py); the std streams (the child points fds 0-2 at its pipes): new ones
     # would cost every child.
     confinement = landlock_seccomp.Confinement(
         options["landlock"], options["seccomp"], (base, shm) if shm else (base,),
@@ -559,5 +562,5 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["--probe"] and len(sys.argv) == 3:
         probe(sys.argv[2])
     else:
-        sys.exit("usage: code_sandbox.py --serve OPTIONS_JSON BASE_DIR | --probe DIR  "
+        sys.exit("usage: sandbox/code_sandbox.py --serve OPTIONS_JSON BASE_DIR | --probe DIR  "
                  "(started by code_tool.CodeTool)")

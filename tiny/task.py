@@ -35,7 +35,7 @@ With the defaults (full tracebacks) it costs some: at temperature 1.0 make tiny'
 rollouts with a failed call correctly against 74% with clean calls (69% after a sloppy call: the ~130-character
 traceback between the printed number and the answer is a longer copy than the 5 characters after "ok\n"), and
 only 17% when the output is cut to 120 characters in the middle (text SFT never showed; the model then drops digits
-of the number): the RL configs must render as this script does. The RoC ablation (ablation.py) therefore builds its
+of the number): the RL configs must render as this script does. The RoC ablation (tiny/ablation.py) therefore builds its
 own task with `error_format="last_line"` and more sloppy traces, where a failed call costs nothing (97% against 97%).
 Tool responses are produced by running every call through the real `CodeTool`, so SFT shows exactly the text a
 rollout would see, errors included; `error_format` is the tool's (`CodeTool(error_format=...)`: the RL and eval
@@ -45,7 +45,7 @@ can move, then the problem's numbers restated, which keeps every copy the model 
 code, tool output -> answer) within a few tokens.
 
 Left out: natural-language word problems, multi-call problems beyond one fix, and any answer that is not an
-integer. Run `python tiny_task.py runs/tiny/data [--seed 0 --n-train 2000 --n-test 100 --n-sft 4000]`.
+integer. Run `python -m tiny.task runs/tiny/data [--seed 0 --n-train 2000 --n-test 100 --n-sft 4000]`.
 """
 import argparse
 import random

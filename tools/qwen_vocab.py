@@ -27,9 +27,9 @@ bfloat16` in its config and Qwen3-Base's generation config (eos 151643), the way
 `SHAPES["rehearsal"]` is small enough for the CPU tests (its embedding still has 151,936 rows);
 `memory_plan.PUBLIC_CONFIGS` gives the public ones.
 
-    python qwen_vocab.py fetch                      # the ranks into .cache/qwen/ (what make qwen-vocab runs)
-    python qwen_vocab.py tokenizer OUT_DIR          # Qwen3-Base's tokenizer, save_pretrained format
-    python qwen_vocab.py model OUT_DIR [--shape rehearsal|qwen3-0.6b] [--seed 0]
+    python -m tools.qwen_vocab fetch                      # the ranks into .cache/qwen/ (what make qwen-vocab runs)
+    python -m tools.qwen_vocab tokenizer OUT_DIR          # Qwen3-Base's tokenizer, save_pretrained format
+    python -m tools.qwen_vocab model OUT_DIR [--shape rehearsal|qwen3-0.6b] [--seed 0]
 """
 import argparse
 import base64
@@ -43,7 +43,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 WHEEL = "qwen-agent==0.0.34"
 WHEEL_MEMBER = "qwen_agent/utils/qwen.tiktoken"
 RANKS_SHA256 = "b2b1b8dfb5cc5f024bafc373121c6aba3f66f9a5a0269e243470a1de16a33186"
@@ -218,7 +218,7 @@ def random_qwen3(out_dir, shape: str | dict = "rehearsal", seed: int = 0, dtype:
     config dict. The global torch RNG is left untouched."""
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
-    from memory_plan import PUBLIC_CONFIGS
+    from tools.memory_plan import PUBLIC_CONFIGS
 
     fields = shape if isinstance(shape, dict) else {**PUBLIC_CONFIGS, **SHAPES}[shape]
     config = Qwen3Config(**fields, bos_token_id=EOS_ID, eos_token_id=EOS_ID)

@@ -1,5 +1,5 @@
 """Landlock and seccomp for the code tool: the kernel's limits on what a call's process may touch and which system
-calls it may make, in force before the model's code runs (code_sandbox.py: entered by the call child right after
+calls it may make, in force before the model's code runs (sandbox/code_sandbox.py: entered by the call child right after
 the fork, or at the start of a subprocess-backend interpreter). Whatever the code starts inherits them; nothing can
 lift them. Both work unprivileged (with no_new_privs set), as root and as any user.
 
@@ -38,7 +38,7 @@ memory, which are rlimits (code_sandbox.set_limits); side channels; kernel bugs.
 Why raw system calls through ctypes, not a binding: the Landlock binding (`landlock`) is not on every package
 index; pyseccomp (0.1.2, one file from 2021) needs the system's libseccomp, which a pip install cannot bring, and
 finds it with ctypes.util.find_library, whose import of subprocess would bring threading's at-fork handler into
-every call child (code_sandbox.py's cost model). Cost decides the rest. Attaching a seccomp filter costs ~0.2 ms
+every call child (sandbox/code_sandbox.py's cost model). Cost decides the rest. Attaching a seccomp filter costs ~0.2 ms
 (the kernel translates the program and precomputes its verdict per system call), and any Python a fresh child runs
 costs copy-on-write faults: so the server builds the Landlock ruleset and installs the filter once, and each call
 child inherits the filter and enters the ruleset with one system call (bench/code_tool.py measures it). The

@@ -1,8 +1,8 @@
 """An evaluation as one HTML page to read offline: the results table, every problem, every rollout's
 turns and tool calls; and a page comparing two evaluations of the same benchmarks.
 
-    python report.py runs/tiny/eval_stage3          # writes runs/tiny/eval_stage3/report.html
-    python report.py compare runs/tiny/eval_sft runs/tiny/eval_stage3 \\
+    python -m tools.report runs/tiny/eval_stage3          # writes runs/tiny/eval_stage3/report.html
+    python -m tools.report compare runs/tiny/eval_sft runs/tiny/eval_stage3 \\
         runs/tiny/compare_sft_stage3.html             # the problems that changed, side by side
 
 Input: an eval.py output folder: results.json and trajectories.jsonl (one `eval.trajectory_record`
@@ -283,8 +283,8 @@ def write_compare(folder_a, folder_b, out) -> Path:
     return out
 
 
-USAGE = """usage: python report.py EVAL_DIR                  # writes EVAL_DIR/report.html
-       python report.py compare EVAL_A EVAL_B OUT.html  # the problems that changed from A to B"""
+USAGE = """usage: python -m tools.report EVAL_DIR                  # writes EVAL_DIR/report.html
+       python -m tools.report compare EVAL_A EVAL_B OUT.html  # the problems that changed from A to B"""
 
 
 def main(argv=None) -> None:

@@ -1,11 +1,11 @@
 """Public math sets -> our data: RL problems as JSONL lines {"problem", "answer", "id", "source"} (data.load_problems
 reads them), and SFT conversations as {"messages": [...]} with tool calls (data.load_conversations reads them).
 
-    python convert_data.py dapo data/dapo-math-17k.parquet data/dapo_math.jsonl
-    python convert_data.py dapo hub data/dapo_math.jsonl                   # download from the Hugging Face hub
-    python convert_data.py math MATH/train data/math_train.jsonl           # MATH's train split, as released
-    python convert_data.py math math_train.jsonl data/math_train.jsonl --all-answers
-    python convert_data.py tir NuminaMath-TIR/data/train-00000-of-00001.parquet data/sft_tir.jsonl
+    python -m tools.convert_data dapo data/dapo-math-17k.parquet data/dapo_math.jsonl
+    python -m tools.convert_data dapo hub data/dapo_math.jsonl                   # download from the Hugging Face hub
+    python -m tools.convert_data math MATH/train data/math_train.jsonl           # MATH's train split, as released
+    python -m tools.convert_data math math_train.jsonl data/math_train.jsonl --all-answers
+    python -m tools.convert_data tir NuminaMath-TIR/data/train-00000-of-00001.parquet data/sft_tir.jsonl
 
 Sources:
 - dapo: DAPO-Math-17k (Yu et al. 2025, arXiv 2503.14476; hub `BytedTsinghua-SIA/DAPO-Math-17k`, Apache-2.0), the
@@ -52,7 +52,7 @@ DAPO_HUB = ("BytedTsinghua-SIA/DAPO-Math-17k", "data/dapo-math-17k.parquet")
 DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
                "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
-EVAL_SETS = [str(Path(__file__).resolve().parent / "data" / f"{name}.jsonl")
+EVAL_SETS = [str(Path(__file__).resolve().parents[1] / "data" / f"{name}.jsonl")
              for name in ("aime24", "aime25", "hmmt25", "math500")]
 INTEGER = re.compile(r"[+-]?\d+")
 
@@ -222,7 +222,7 @@ def download_dapo(output: str) -> str:
                                                                                                 "on") else ""
         raise SystemExit(f"convert_data: the Hugging Face hub could not be reached ({type(e).__name__}{offline}); "
                          f"download {file} from https://huggingface.co/datasets/{repo} and give its path: "
-                         f"python convert_data.py dapo {Path(file).name} {output}") from None
+                         f"python -m tools.convert_data dapo {Path(file).name} {output}") from None
 
 
 def main(argv=None) -> None:

@@ -1,8 +1,8 @@
 """Open a local HTML page in headless Chromium and say what happened: JavaScript errors, requests,
-load timing, how much text it shows; take screenshots. For checking the pages report.py writes.
+load timing, how much text it shows; take screenshots. For checking the pages tools/report.py writes.
 
-    python browser.py check runs/tiny/eval_stage3/report.html   # exit 1 on a JS error or blank page
-    python browser.py screenshot "runs/tiny/eval_stage3/report.html#open=first" out.png [W H]
+    python -m tools.browser check runs/tiny/eval_stage3/report.html   # exit 1 on a JS error or blank page
+    python -m tools.browser screenshot "runs/tiny/eval_stage3/report.html#open=first" out.png [W H]
 
 Standard library only: it starts the system's Chromium (Debian's `chromium` package; $CHROMIUM
 names another binary) with a fresh profile and speaks the Chrome DevTools Protocol over a pipe
@@ -226,8 +226,8 @@ def describe(result: PageResult) -> str:
     return "\n".join(lines + [f"  error: {e}" for e in result.errors])
 
 
-USAGE = """usage: python browser.py check PAGE.html[#fragment]
-       python browser.py screenshot PAGE.html[#fragment] OUT.png [WIDTH HEIGHT]"""
+USAGE = """usage: python -m tools.browser check PAGE.html[#fragment]
+       python -m tools.browser screenshot PAGE.html[#fragment] OUT.png [WIDTH HEIGHT]"""
 
 
 def main(argv=None) -> None:

@@ -1,5 +1,5 @@
 """What a run needs on each GPU, on paper: public model shapes, a memory estimate per GPU, and where each rank's
-sampler engine runs. `python train.py CONFIG dry_run=true world_size=64` prints both (memory_plan.py); SFT's
+sampler engine runs. `python train.py CONFIG dry_run=true world_size=64` prints both (tools/memory_plan.py); SFT's
 estimate is `sft_memory_per_gpu` (lines: `sft_memory_lines`; bench/gpu_smoke.py prints it beside the measured peak).
 
 Everything here is arithmetic on numbers (no torch, no model), so a 64-GPU plan can be checked on a laptop and each
@@ -309,7 +309,7 @@ def memory_lines(cfg, world: int) -> list[str]:
     return [
         f"model                  {name}: {shape.params / 1e9:.2f}B parameters, {shape.layers} layers, hidden "
         f"{shape.hidden}, vocab {shape.vocab:,}",
-        f"memory per GPU (GB)    an estimate (memory_plan.py): FSDP over {shard} GPUs, fp32 master weights, "
+        f"memory per GPU (GB)    an estimate (tools/memory_plan.py): FSDP over {shard} GPUs, fp32 master weights, "
         f"micro-batch {cfg.micro_batch_size} x {tokens:,} tokens, checkpointing {cfg.gradient_checkpointing}",
         f"  while sampling       weights {m['weights']:.1f} + AdamW {m['adamw']:.1f} + {sampler} + process "
         f"{m['process']:.1f} = {fits(m['rollout_peak'])}",
@@ -335,7 +335,7 @@ def sft_memory_lines(cfg, world: int, gpus_per_node: int = 8, gpu_gb: float = 15
     over = "" if m["peak"] <= gpu_gb else "  OVER: does not fit"
     return [
         f"model                  {name}: {shape.params / 1e9:.2f}B parameters",
-        f"sft memory per GPU     an estimate (memory_plan.py): FSDP2 over {shard} GPUs, fp32 master weights, each "
+        f"sft memory per GPU     an estimate (tools/memory_plan.py): FSDP2 over {shard} GPUs, fp32 master weights, each "
         f"micro-batch reduce-scattered, micro-batch {cfg.micro_batch_size} x {cfg.max_seq_len:,} = {tokens:,} "
         f"tokens, checkpointing {cfg.gradient_checkpointing}",
         f"  sft step             weights {m['weights']:.1f} + gradients {m['grads']:.1f} + AdamW {m['adamw']:.1f} + "

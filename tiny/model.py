@@ -21,7 +21,7 @@ parameters; the design notes measured about 4,400 generated tokens/s at this siz
 1,300 tokens/s at about 6M parameters, so keep it small (this Qwen3 build: about 2,900 tokens/s generating 200
 tokens for a batch of 64 on ONE torch thread). Random initialisation, seeded.
 
-Run:  .venv/bin/python tiny_model.py OUT_DIR [--hidden 128 --layers 4 --heads 4 --kv-heads 4 --intermediate 512
+Run:  .venv/bin/python -m tiny.model OUT_DIR [--hidden 128 --layers 4 --heads 4 --kv-heads 4 --intermediate 512
                                               --max-positions 2048 --seed 0]
 Left out: byte fallback and any real pre-training; the tiny pipeline teaches the format with SFT.
 """

@@ -6,8 +6,8 @@ down. It can only show where a failed call is nearly free for the outcome (the m
 right about as often as without it); where an error still costs the answer, the outcome reward alone pushes errors
 out and RoC has nothing left to do. make tiny's setting is of that second kind, so the ablation builds its own
 under --root (each step skipped when its output exists):
-  model  tiny_model.py MODEL_ARGS (make tiny's 1M-parameter model)
-  task   tiny_task.py with the tool's short error form: a failed call shows only its exception line
+  model  tiny/model.py MODEL_ARGS (make tiny's 1M-parameter model)
+  task   tiny/task.py with the tool's short error form: a failed call shows only its exception line
          (ERROR_FORMAT "last_line"), so the number a sloppy call printed before failing stays a short copy away
          from the answer; more sloppy and fewer fix traces than make tiny (SFT_MIX)
   SFT    configs/ablation/sft.yaml (make tiny's recipe at batch 4: this data needs more updates to learn copying)
@@ -34,10 +34,10 @@ Training-rollout curves are smoothed with a trailing mean over `--smooth` steps;
 and CPU seconds logged to timings.jsonl) writing its own folder, so an interrupted ablation continues where it
 stopped (sft.py and train.py resume from their checkpoints; finished steps are skipped).
 
-    python ablation.py                            # the setting, then 3 arms x 3 seeds (about 40 min on 2 idle cores)
-    python ablation.py --seeds 0 --arms roc grpo  # a pilot
-    python ablation.py --report-only              # tables, plots and checks from finished runs
-    python ablation.py --sft runs/tiny/sft/model --data runs/tiny/data --config configs/tiny/stage1.yaml \
+    python -m tiny.ablation                            # the setting, then 3 arms x 3 seeds (about 40 min on 2 idle cores)
+    python -m tiny.ablation --seeds 0 --arms roc grpo  # a pilot
+    python -m tiny.ablation --report-only              # tables, plots and checks from finished runs
+    python -m tiny.ablation --sft runs/tiny/sft/model --data runs/tiny/data --config configs/tiny/stage1.yaml \
         --root runs/ablation_tiny                 # the arms on make tiny's own setting instead
 Outputs in --root: base/, data/, sft/, eval_sft/ (the setting), {arm}-seed{s}/ (train.py run folders),
 ablation_{metric}.png, ablation.md, ablation.json, timings.jsonl.
@@ -61,7 +61,7 @@ ARMS = {
 # configs/ablation/rl.yaml (tool_error_format), so that RL shows the model the text SFT taught it to read.
 ERROR_FORMAT = "last_line"
 SFT_MIX = {"direct": 0.3, "tool": 0.3, "sloppy": 0.25, "fix": 0.15}  # SFT trace kinds (make tiny: 0.4/0.25/0.15/0.2)
-MODEL_ARGS: list[str] = []  # tiny_model.py arguments (none: make tiny's 1M-parameter model)
+MODEL_ARGS: list[str] = []  # tiny/model.py arguments (none: make tiny's 1M-parameter model)
 # Environment of every command: one torch thread (the other core runs the code tool), which also makes the SFT
 # model the same bytes on any machine with this torch build.
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -78,7 +78,7 @@ METRICS = [("accuracy", "eval/accuracy", False),
            ("kept_tool_error_rate_in_correct", "roc/tool_error_rate_in_correct", True)]
 # The finding's windows (report Figures 4 and 9, at this scale): the first FIRST and the last LAST training steps.
 FIRST, LAST = 5, 10
-TIMINGS = "timings.jsonl"  # wall-clock and CPU seconds of every command ablation.py ran, in --root
+TIMINGS = "timings.jsonl"  # wall-clock and CPU seconds of every command tiny/ablation.py ran, in --root
 
 
 # ----------------------------------------------------------------------------------- pure helpers
@@ -169,7 +169,7 @@ def markdown(table: dict) -> str:
         cells = [f"{row[n]['mean']:.3f} ± {row[n]['std']:.3f} [{row[n]['min']:.3f}, {row[n]['max']:.3f}]"
                  for n in names]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\nmean ± standard deviation over seeds [min, max]; final values (see ablation.py)\n"
+    return "\n".join(lines) + "\n\nmean ± standard deviation over seeds [min, max]; final values (see tiny/ablation.py)\n"
 
 
 def cost_lines(cost: dict) -> str:
@@ -198,9 +198,9 @@ def build_setting(root: Path) -> None:
     skipped when its output exists)."""
     data, sft, log = root / "data", root / "sft", root / TIMINGS
     if not (root / "base" / "config.json").is_file():
-        run(["tiny_model.py", str(root / "base")] + MODEL_ARGS, "base", log)
+        run(["-m", "tiny.model", str(root / "base")] + MODEL_ARGS, "base", log)
     if not (data / "sft.jsonl").is_file():
-        run(["tiny_task.py", str(data), "--error-format", ERROR_FORMAT]
+        run(["-m", "tiny.task", str(data), "--error-format", ERROR_FORMAT]
             + [arg for kind, frac in SFT_MIX.items() for arg in (f"--{kind}", str(frac))], "data", log)
     if not (sft / "model" / "config.json").is_file():
         run(["sft.py", "configs/ablation/sft.yaml", f"model_path={root / 'base'}", f"data={data / 'sft.jsonl'}",

