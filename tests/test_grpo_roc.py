@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------------- penalties
+@pytest.mark.spec
 def test_penalties_on_the_reports_cases():
     assert tool_error_penalty(0, 0) == 0.5  # no tool call
     assert tool_error_penalty(1, 0) == 0.0  # one clean call
@@ -30,12 +31,14 @@ def test_penalties_on_the_reports_cases():
     assert penalty_total(1, 0, 1, 2) == 0.0
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("args", [(1, 2), (-1, 0), (2, -1)])
 def test_tool_error_penalty_rejects_impossible_counts(args):
     with pytest.raises(ValueError):
         tool_error_penalty(*args)
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("args", [(-1, 3), (1, 0)])
 def test_format_penalty_rejects_impossible_counts(args):
     with pytest.raises(ValueError):
@@ -43,6 +46,7 @@ def test_format_penalty_rejects_impossible_counts(args):
 
 
 # ----------------------------------------------------------------------------------- dropping equal groups
+@pytest.mark.spec
 def test_drop_equal_groups_keeps_only_mixed_groups():
     rewards = [[1, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0], [1, 0, 1, 1]]
     assert drop_equal_groups(rewards) == [1, 3]
@@ -51,6 +55,7 @@ def test_drop_equal_groups_keeps_only_mixed_groups():
 
 
 # ----------------------------------------------------------------------------------- RoC counts
+@pytest.mark.spec
 @pytest.mark.parametrize("n_total, n_pos, expected", [
     (8, 1, (1, 3)), (8, 3, (2, 2)), (8, 5, (2, 2)), (8, 7, (3, 1)), (8, 0, (0, 4)), (8, 8, (4, 0)),
     (32, 1, (1, 15)), (32, 2, (2, 14)), (32, 3, (2, 14)), (32, 16, (8, 8)), (32, 30, (14, 2)), (32, 31, (15, 1)),
@@ -62,6 +67,7 @@ def test_roc_counts_by_hand(n_total, n_pos, expected):
     assert roc_counts(n_pos, n_total - n_pos, n_total // 2) == expected
 
 
+@pytest.mark.spec
 def test_roc_counts_invariants_on_every_small_case():
     for n_total in range(1, 41):
         for keep in range(n_total + 1):
@@ -90,6 +96,7 @@ def _public_code_counts(n_pos, n_neg, keep):
     return pos, neg
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("n_total", [8, 16, 32])
 def test_roc_counts_match_the_public_code_when_keeping_half(n_total):
     for n_pos in range(1, n_total):
@@ -113,12 +120,14 @@ def _public_code_rule(n_pos, n_neg, keep, minimum=2):
     return (pos, neg) if pos + neg == keep else None
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("G", [4, 8, 16])
 def test_roc_counts_equal_the_public_rule_for_even_group_sizes(G):
     for n_pos in range(1, 2 * G):
         assert roc_counts(n_pos, 2 * G - n_pos, G) == _public_code_rule(n_pos, 2 * G - n_pos, G)
 
 
+@pytest.mark.spec
 def test_roc_counts_for_odd_group_sizes_by_hand_and_where_the_public_rule_differs():
     # G = 5 from 10: the split rounded half to even, then the minimums of 2; always exactly G
     assert [roc_counts(p, 10 - p, 5) for p in range(1, 10)] == [
@@ -148,6 +157,7 @@ def _group(n_total, n_pos, seed=0):
     return rewards.tolist(), penalties.tolist()
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("mode", sorted(ROC_SELECTORS))
 @pytest.mark.parametrize("n_total, n_pos", [(8, 1), (8, 3), (32, 1), (32, 3), (32, 16), (32, 31)])
 def test_resample_on_correct_counts(mode, n_total, n_pos):
@@ -160,6 +170,7 @@ def test_resample_on_correct_counts(mode, n_total, n_pos):
     assert kept_pos >= min(2, n_pos) and keep - kept_pos >= min(2, n_total - n_pos)
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("mode", sorted(ROC_SELECTORS))
 @pytest.mark.parametrize("reward", [0.0, 1.0])
 def test_degenerate_groups_still_return_keep_indices(mode, reward):
@@ -167,6 +178,7 @@ def test_degenerate_groups_still_return_keep_indices(mode, reward):
     assert len(kept) == 4 and kept == sorted(set(kept))
 
 
+@pytest.mark.spec
 def test_lowest_picks_the_lowest_penalties_and_the_first_negatives():
     #          0    1    2    3     4    5    6    7
     rewards = [1, 0, 1, 1, 0, 1, 0, 0]
@@ -177,6 +189,7 @@ def test_lowest_picks_the_lowest_penalties_and_the_first_negatives():
     assert resample_on_correct(rewards, penalties, 4, mode="lowest") == [1, 2, 3, 4]
 
 
+@pytest.mark.spec
 def test_lowest_on_32_keeps_exactly_the_lowest_positive_penalties():
     rewards, penalties = _group(32, 16, seed=3)
     kept = resample_on_correct(rewards, penalties, 16, mode="lowest")
@@ -186,6 +199,7 @@ def test_lowest_on_32_keeps_exactly_the_lowest_positive_penalties():
     assert [i for i in kept if rewards[i] == 0] == [i for i in range(32) if rewards[i] == 0][:16 - len(kept_pos)]
 
 
+@pytest.mark.spec
 def test_sample_is_reproducible_with_a_pinned_generator_and_varies_without():
     rewards, penalties = _group(32, 16, seed=5)
     draw = lambda seed: resample_on_correct(rewards, penalties, 16, generator=torch.Generator().manual_seed(seed))
@@ -202,6 +216,7 @@ def _frequencies(rewards, penalties, keep, draws=4000):
     return [c / draws for c in counts]
 
 
+@pytest.mark.spec
 def test_sample_picks_one_of_two_positives_in_the_ratio_of_the_weights():
     # 2 positives, 4 negatives, keep 3 -> 1 positive (keep < 4: the proportional count stands), 2 negatives.
     rewards, penalties = [1, 1, 0, 0, 0, 0], [0.25, 0.5, 0, 0, 0, 0]
@@ -212,6 +227,7 @@ def test_sample_picks_one_of_two_positives_in_the_ratio_of_the_weights():
     assert all(abs(f - 0.5) < 0.03 for f in freq[2:])  # negatives uniform: 2 of 4
 
 
+@pytest.mark.spec
 def test_sample_two_of_three_positives_without_replacement():
     # 32 rollouts with 3 positives -> 2 positives kept; P(i left out) = sum over first draws j != i of
     # w_j / W * w_k / (W - w_j) with k the third one.
@@ -230,12 +246,14 @@ def test_sample_two_of_three_positives_without_replacement():
     assert all(abs(f - 14 / 29) < 0.04 for f in freq[3:])
 
 
+@pytest.mark.spec
 def test_sample_takes_clean_positives_first():
     # a clean positive (p_total = 0) has weight 1e6, so it is kept over a p_total = 0.5 one every time
     freq = _frequencies([1, 1, 0, 0, 0, 0], [0.5, 0.0, 0, 0, 0, 0], 3, draws=500)
     assert freq[1] == 1.0 and freq[0] == 0.0
 
 
+@pytest.mark.spec
 def test_resample_on_correct_rejects_bad_input():
     with pytest.raises(ValueError, match="lowest.*sample"):
         resample_on_correct([1, 0], [0, 0], 1, mode="top")
@@ -248,6 +266,7 @@ def test_resample_on_correct_rejects_bad_input():
 
 
 # ----------------------------------------------------------------------------------- advantages
+@pytest.mark.spec
 def test_group_advantages_by_hand():
     # group 1: [1, 0, 0, 0]: mean 0.25, unbiased std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5
     # group 2: [1, 1, 0, 0]: mean 0.5, std sqrt(4 * 0.25 / 3) = 1 / sqrt(3); group 3 all equal -> 0
@@ -259,6 +278,7 @@ def test_group_advantages_by_hand():
     assert adv.dtype == torch.float32 and adv.shape == (12,)
 
 
+@pytest.mark.spec
 def test_group_advantages_rejects_bad_group_size():
     with pytest.raises(ValueError):
         group_advantages([1, 0, 1], group_size=2)
@@ -267,6 +287,7 @@ def test_group_advantages_rejects_bad_group_size():
 
 
 # ----------------------------------------------------------------------------------- policy loss
+@pytest.mark.spec
 def test_policy_loss_on_a_2x3_example_by_hand():
     old = torch.zeros(2, 3, dtype=torch.float64)
     ratios = torch.tensor([[1.0, 1.5, 0.5], [0.5, 1.0, 7.0]], dtype=torch.float64)
@@ -315,6 +336,7 @@ def _random_batch(N=6, T=9, seed=0):
     return logp, old, adv, mask
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
 def test_policy_loss_matches_a_per_token_loop(dual_clip):
     logp, old, adv, mask = _random_batch()
@@ -328,6 +350,7 @@ def test_policy_loss_matches_a_per_token_loop(dual_clip):
     assert all(type(v) is float for v in m.values())
 
 
+@pytest.mark.spec
 def test_sequence_mean_policy_loss_matches_a_loop_and_differs_from_token_mean():
     logp, old, adv, mask = _random_batch(seed=1)
     loss, _ = sequence_mean_policy_loss(logp, old, adv, mask)
@@ -338,6 +361,7 @@ def test_sequence_mean_policy_loss_matches_a_loop_and_differs_from_token_mean():
                           policy_loss(logp, old, adv, same_length)[0])
 
 
+@pytest.mark.spec
 def test_dual_clip_caps_the_loss_for_negative_advantages():
     old = torch.zeros(1, 2)
     logp = torch.tensor([[math.log(5.0), math.log(2.0)]])
@@ -351,6 +375,7 @@ def test_dual_clip_caps_the_loss_for_negative_advantages():
         policy_loss(logp, old, adv, torch.ones(1, 2), dual_clip=1.0)
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
 def test_huge_log_ratios_give_a_finite_loss_and_gradient(dual_clip):
     """exp(100) overflows float32: without the clamp the dual-clipped gradient is 0 * inf = NaN."""
@@ -371,6 +396,7 @@ def test_huge_log_ratios_give_a_finite_loss_and_gradient(dual_clip):
     assert loss.item() == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.spec
 def test_clamp_leaves_every_ordinary_ratio_unchanged():
     logp, old, adv, mask = _random_batch(N=8, T=12, seed=5)
     logp = old + (logp - old) * 4  # log ratios up to about +-10: e^10 is far past every clip, below the clamp
@@ -381,6 +407,7 @@ def test_clamp_leaves_every_ordinary_ratio_unchanged():
                                                        int(mask.sum())), rel=1e-9)
 
 
+@pytest.mark.spec
 def test_masked_positions_get_zero_gradient_even_with_garbage_values():
     logp, old, adv, mask = _random_batch(seed=2)
     logp, old = logp.clone(), old.clone()
@@ -393,12 +420,14 @@ def test_masked_positions_get_zero_gradient_even_with_garbage_values():
     assert (logp.grad[mask == 0] == 0).all() and (logp.grad[mask == 1] != 0).any()
 
 
+@pytest.mark.spec
 def test_empty_mask_gives_zero_loss_not_nan():
     logp, old, adv, _ = _random_batch()
     loss, m = policy_loss(logp, old, adv, torch.zeros_like(logp))
     assert loss.item() == 0.0 and m["ratio_mean"] == 0.0
 
 
+@pytest.mark.spec
 def test_global_token_normaliser_makes_micro_batches_and_ranks_exact():
     logp, old, adv, mask = _random_batch(N=8, T=11, seed=4)
     big = logp.clone().requires_grad_()
@@ -435,6 +464,7 @@ def _mismatch_example():
     return trainer, sampler, mask
 
 
+@pytest.mark.spec
 def test_mismatch_sums_by_hand():
     trainer, sampler, mask = _mismatch_example()
     sums = mismatch_sums(trainer, sampler, mask)
@@ -448,6 +478,7 @@ def test_mismatch_sums_by_hand():
     assert sums["ratio_outside_frac"] == (2.0, 5.0)  # 3 and 0.4 lie outside [1/2, 2]; 1.25 and 0.8 inside
 
 
+@pytest.mark.spec
 def test_sequence_log_ratios_and_their_effective_sample_size_by_hand():
     trainer, sampler, mask = _mismatch_example()
     log_w = sequence_log_ratios(trainer, sampler, mask)
@@ -464,6 +495,7 @@ def test_sequence_log_ratios_and_their_effective_sample_size_by_hand():
     assert all(math.isnan(v) for v in sequence_mismatch([]).values())
 
 
+@pytest.mark.spec
 def test_no_gap_measures_zero():
     trainer, _, mask = _mismatch_example()
     sums = mismatch_sums(trainer, trainer.clone(), mask)
@@ -472,6 +504,7 @@ def test_no_gap_measures_zero():
                                                                                "seq_ess_frac": 1.0}
 
 
+@pytest.mark.spec
 def test_truncated_is_weights_by_hand_and_the_loss_they_give():
     trainer, sampler, mask = _mismatch_example()
     w = truncated_is_weights(trainer, sampler, mask, cap=2.0)
@@ -487,6 +520,7 @@ def test_truncated_is_weights_by_hand_and_the_loss_they_give():
     assert policy_loss(trainer, trainer, adv, mask)[0].item() == pytest.approx((-3 + 4) / 5, abs=1e-12)
 
 
+@pytest.mark.spec
 def test_sequence_mask_weights_use_the_geometric_mean_by_hand():
     trainer, sampler, mask = _mismatch_example()
     # g_1 = (1 * 3 * 0.4)^(1/3) = 1.2^(1/3) = 1.0627; g_2 = (1.25 * 0.8)^(1/2) = 1
@@ -504,6 +538,7 @@ def test_sequence_mask_weights_use_the_geometric_mean_by_hand():
     assert loss.item() == pytest.approx(2.0 / 2, abs=1e-12)
 
 
+@pytest.mark.spec
 def test_correction_weights_carry_no_gradient():
     trainer, sampler, mask = _mismatch_example()
     logp = trainer.clone().requires_grad_()

@@ -48,6 +48,7 @@ def response_logprobs(model, trajs, pad_id):
     return (logp * batch["loss_mask"]).sum(dim=1)
 
 
+@pytest.mark.spec
 def test_one_update_raises_positive_and_lowers_negative_rollouts(tiny):
     from accelerate import Accelerator
     tok = AutoTokenizer.from_pretrained(tiny / "base")

@@ -6,6 +6,8 @@ import torch
 import logprobs
 from logprobs import chunk_positions, sampled_logprobs
 
+pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
+
 
 def direct(logits, targets, temperature):
     """The way train.token_logprobs computed it before: the full fp32 log-softmax, gathered."""

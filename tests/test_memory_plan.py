@@ -8,6 +8,8 @@ import train
 from tools.memory_plan import (GB, PUBLIC_CONFIGS, Shape, engine_layout, logprob_chunk_bytes, memory_per_gpu,
                          sft_memory_lines, sft_memory_per_gpu)
 
+pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
+
 TOY = Shape(layers=2, hidden=4, intermediate=8, heads=2, kv_heads=1, head_dim=2, vocab=10, tied=False)
 
 

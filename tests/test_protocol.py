@@ -15,6 +15,8 @@ from config import load_config
 from protocol import (CHAT_FIELDS, DEFAULT_SYSTEM_PROMPT, PUBLIC_TOOL_NAME, TOOL_NAME, ChatFormat, chat_format,
                       chat_format_of, format_tool_call, parse_tool_call)
 
+pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 PUBLIC = ROOT / "configs" / "formats" / "rstar2_public.yaml"
 

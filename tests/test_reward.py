@@ -115,6 +115,7 @@ def pool():
 # ---------------------------------------------------------------------------------------------------------------
 # Extraction
 # ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.spec
 @pytest.mark.parametrize("text, expected", [
     (r"<answer>\boxed{204}</answer>", "204"),
     (r"first \boxed{1}, on second thought \boxed{2}", "2"),
@@ -139,6 +140,7 @@ def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
 
+@pytest.mark.spec
 def test_extract_answer_is_fast_on_huge_hostile_text():
     cases = ["<answer>" * 20_000 + r"\boxed{1}", "{" * 100_000 + r"\boxed{2}", r"\boxed{" + "{" * 100_000,
              "x" * 100_000 + r"<answer>\boxed{3}</answer>"]
@@ -172,6 +174,7 @@ class _FalsePool:
         return False, "slow"
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("pred, gold, expected", [
     ("204", "204", True), (" 204 ", "204", True), ("204.0", "204", True), ("0204", "204", True),
     (r"\text{204}", "204", True), ("$204$", "204", True), (r"204^\circ", "204", True), ("1,000", "1000", True),
@@ -185,6 +188,7 @@ def test_integer_fast_path_never_reaches_the_pool(pred, gold, expected):
     assert verdict == Verdict(expected, "fast")
 
 
+@pytest.mark.spec
 def test_integer_fast_path_speed():
     pairs = [(f"\\text{{{n}}}", str(n)) for n in range(2000)] + [(str(n + 1), str(n)) for n in range(2000)]
     start = time.perf_counter()
@@ -210,6 +214,7 @@ def test_check_many_matches_check(pool):
         "fast", "slow", "no_answer", "screened", "slow", "slow"]
 
 
+@pytest.mark.spec
 def test_reward_metrics():
     verdicts = [Verdict(True, "fast"), Verdict(False, "timeout"), Verdict(False, "screened"),
                 Verdict(False, "no_answer"), Verdict(True, "slow"), Verdict(False, "timeout")]
@@ -241,6 +246,7 @@ HOSTILE = {
 }
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_answers_are_screened_in_process(name):
     start = time.perf_counter()
@@ -250,6 +256,7 @@ def test_hostile_answers_are_screened_in_process(name):
     assert compute_reward(r"<answer>\boxed{" + HOSTILE[name] + "}</answer>", "204", _NoPool()) == 0.0
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("answer", [r"2^{25} \cdot 26!", r"2^{2024}", r"e^{-x^2}", r"2^{2^{3}}", "2025!",
                                     r"\left(\frac{1}{2}\right)^{10}", r"10^{100000}", r"\{1, 2\}", "(3,4]"])
 def test_screen_lets_honest_answers_through(answer):
@@ -262,6 +269,7 @@ def test_junk_never_raises(pool, junk):
     assert compute_reward(junk, "204", pool) == 0.0
 
 
+@pytest.mark.spec
 def test_random_latex_soup_never_raises():
     import random
 
@@ -412,6 +420,7 @@ def test_numbers_mean_what_their_text_means(pool, pred, gold, expected):
     assert check_many([pred], [gold], pool)[0].correct is expected
 
 
+@pytest.mark.spec
 def test_bools_nan_and_other_types_are_not_numbers():
     for gold in [True, False, float("nan"), float("inf"), [204], None, 10 ** 5000]:
         assert check("1", gold) == Verdict(False, "no_answer"), gold

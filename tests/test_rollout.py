@@ -16,6 +16,8 @@ from rollout import PARSE_ERROR, Trajectory, means, rollout, rollout_sums
 from sampler import Completion, TurnSampler
 from tiny.model import build_tiny, build_tokenizer
 
+pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
+
 FMT = chat_format("compact")
 TOK = build_tokenizer()
 IM_END_ID = TOK.convert_tokens_to_ids(IM_END)

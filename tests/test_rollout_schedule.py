@@ -11,6 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import rollout_schedule as rs  # noqa: E402
 from tools.memory_plan import PUBLIC_CONFIGS, Shape  # noqa: E402
 
+pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
+
 UNIT = rs.DecodeCost(a=1.0, b=0.0, c=0.0)  # one second per step, whatever runs: times count steps
 
 

@@ -17,6 +17,8 @@ from protocol import IM_END
 from sampler import HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs
 from tiny.model import build_tiny
 
+pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -6,6 +6,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from protocol import IM_END, SPECIAL_TOKENS, TOOL_NAME, chat_format, tool_response_turn
 from tiny.model import PHRASES, build_tiny, main
 
+pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):

@@ -47,6 +47,7 @@ def test_same_seed_same_files_and_cli_matches(task, tmp_path):
     assert other["test"].read_bytes() != task["test"].read_bytes()
 
 
+@pytest.mark.spec
 def test_splits_have_their_sizes_and_levels_and_are_disjoint(task):
     test, train1, train2, val = (load_problems(task[k]) for k in ("test", "train_level1", "train_level2", "val"))
     assert [p["level"] for p in test] == [1] * 15 + [2] * 15 and [p["level"] for p in val] == [1] * 10 + [2] * 10
@@ -58,6 +59,7 @@ def test_splits_have_their_sizes_and_levels_and_are_disjoint(task):
     assert {"code"}.isdisjoint(test[0])  # the generator's solution is not shipped with the problems
 
 
+@pytest.mark.spec
 def test_answers_are_correct_integers(task):
     rows = [p for k in ("test", "train_level1", "train_level2") for p in load_problems(task[k])]
     rows += [{"problem": r["messages"][0]["content"], "answer": r["answer"]} for r in _sft(task)]
@@ -67,6 +69,7 @@ def test_answers_are_correct_integers(task):
     assert level2 == {"Compute #*# mod #.", "Digit sum of #**#.", "Count n in #..# with n%#==#."}
 
 
+@pytest.mark.spec
 def test_sft_conversations_render_and_follow_their_trace_kind(task):
     rows = _sft(task)
     conversations = load_conversations(task["sft"], chat_format("compact", ""))
@@ -107,6 +110,7 @@ def test_tool_responses_are_exactly_what_code_tool_renders(task):
         assert [r.render() for r in tool.run_batch(calls)] == shown
 
 
+@pytest.mark.spec
 def test_trace_mix_and_direct_answers_follow_the_settings(task):
     rows = _sft(task)
     kinds = [r["kind"] for r in rows]
@@ -157,6 +161,7 @@ def test_the_validation_split_is_drawn_last_and_leaves_the_other_splits_as_they_
     assert without["val"].read_text() == "" and len(load_problems(task["val"])) == 20
 
 
+@pytest.mark.spec
 def test_the_level2_kinds_keep_equal_shares_in_the_last_split_drawn():
     # The default task's level-2 draws in its order: test 100, SFT ~1,600 (40% of 4,000), RL 2,000, validation 100.
     rng, seen = random.Random(0), set()

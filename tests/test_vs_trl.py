@@ -45,6 +45,7 @@ def tokenizer():
     return tok
 
 
+@pytest.mark.spec
 def test_the_chat_template_renders_each_prompt_as_the_same_token_ids(tokenizer):
     for problem in PROBLEMS:
         ids = tokenizer.apply_chat_template(vs_trl.prompt_messages(problem), add_generation_prompt=True,
@@ -65,6 +66,7 @@ def tool_suffix(tokenizer, text: str) -> list[int]:
     return full[end + 1:]
 
 
+@pytest.mark.spec
 def test_a_tool_turn_from_the_template_is_the_rollouts_tool_response_turn(tokenizer):
     for text in TOOL_TEXTS:
         assert tool_suffix(tokenizer, text) == tokenizer.encode(tool_response_turn(text), add_special_tokens=False)
@@ -74,6 +76,7 @@ def test_a_tool_turn_from_the_template_is_the_rollouts_tool_response_turn(tokeni
     assert rendered.endswith("<reason>Tool: 2*3.</reason>\n" + format_tool_call("print(2*3)") + "<|im_end|>\n")
 
 
+@pytest.mark.spec
 def test_the_dataset_holds_train_pys_prompts_in_train_pys_order():
     problems = [{"problem": f"p{i}", "answer": str(i)} for i in range(37)]
     w = vs_trl.Workload(steps=5, prompts=16)
@@ -85,6 +88,7 @@ def test_the_dataset_holds_train_pys_prompts_in_train_pys_order():
     assert expected[:37] != list(range(37))
 
 
+@pytest.mark.spec
 def test_the_reward_reads_only_the_models_own_text():
     meter = vs_trl.Meter()
     reward = vs_trl.reward_function(meter)
@@ -109,6 +113,7 @@ def test_the_tool_function_returns_the_text_a_rollout_shows_and_meters_it():
     assert meter.current["tool_calls"] == 3 and meter.current["tool_busy_s"] > 0
 
 
+@pytest.mark.spec
 def test_a_meter_closes_steps_at_each_boundary():
     meter = vs_trl.Meter()
     meter.add("gen_s", 1.5)
