@@ -40,7 +40,7 @@ stage-3 data ("the problems the stage-2 policy did not solve 8 of 8 times"), e.g
 
 (with several benchmarks, their unsolved problems are concatenated in benchmark order).
 
-Samplers (`sampler: hf | vllm`, samplers/hf.py and sampler.py): hf for the tiny model and small checks; vllm for
+Samplers (`sampler: hf | vllm`, samplers/hf.py and samplers/vllm_engine.py): hf for the tiny model and small checks; vllm for
 real checkpoints at the report's budgets (HFSampler holds each slot's whole row of keys and values, unpaged, in one
 process). The seed is set again before each benchmark, so a benchmark's samples do not depend on which ran before
 it (hf; vLLM seeds its engine once); with `sync_turns=true` they do not depend on tool timing either.
@@ -499,7 +499,7 @@ def load_model(cfg: EvalConfig):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from samplers.hf import HFSampler
-    from sampler import VLLMSampler
+    from samplers.vllm_engine import VLLMSampler
     try:
         tokenizer = load_pretrained(AutoTokenizer, cfg.model_path)
         model = None if cfg.sampler == "vllm" else load_pretrained(AutoModelForCausalLM, cfg.model_path,
