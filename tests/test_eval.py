@@ -264,7 +264,7 @@ def test_vllm_sampler_is_built_with_the_config_and_a_valid_signature(tmp_path, m
     bound = inspect.signature(real).bind(*args, **kwargs).arguments  # raises if an argument does not fit
     assert bound["model_path"] == cfg.model_path and bound["im_end_id"] == IM_END_ID
     assert (bound["tensor_parallel_size"], bound["seed"], bound["dtype"]) == (2, 3, "bfloat16")
-    with pytest.raises(SystemExit, match="sampler must be hf or vllm"):
+    with pytest.raises(SystemExit, match="sampler must be hf, vllm or reference"):
         ev.run(ev.EvalConfig(model_path="m", sampler="tgi", out_dir=str(tmp_path / "out")))
 
 
