@@ -106,6 +106,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
+from protocol import ERROR_FORMATS, render_result
 from sandbox import code_sandbox
 from sandbox import landlock_seccomp
 from sandbox.code_sandbox import PRELOAD, SCRATCH_MB
@@ -120,7 +121,6 @@ SANDBOX_PY = os.path.abspath(code_sandbox.__file__)
 # a subprocess-backend call: imported, not run as a script, so that its compiled bytecode is reused
 RUN_ONCE = (f"import sys; sys.path[0] = {os.path.dirname(SANDBOX_PY)!r}; import code_sandbox; "
             "code_sandbox.run_once(sys.argv[1])")
-ERROR_FORMATS = ("full", "last_line")  # how ToolResult.render() shows a failed call's stderr
 
 
 @dataclass
@@ -137,60 +137,9 @@ class ToolResult:
         return self.status == "ok"
 
     def render(self, max_chars: int | None = None, error_format: str | None = None) -> str:
-        """Text the model sees: the status word on the first line, then stdout, then stderr, the body cut in the
-        middle to max_chars. `print(2+2)` renders as "ok\\n4\\n"; a failure as "error\\n...ZeroDivisionError: x\\n".
-        error_format (ERROR_FORMATS): "full" shows a failed call's stderr whole (the compact traceback); "last_line"
-        only its last line, the exception ("NameError: name 'x' is not defined"), as agent setups that cut
-        tracebacks to save context do. A successful call's stderr is always shown whole."""
-        error_format = error_format or self.error_format
-        if error_format not in ERROR_FORMATS:
-            raise ValueError(f"error_format must be one of {ERROR_FORMATS}, got {error_format!r}")
-        stderr = self.stderr
-        if error_format == "last_line" and not self.ok:
-            stderr = last_line(stderr)
-        body = self.stdout
-        if stderr:
-            body += ("" if body.endswith("\n") or not body else "\n") + stderr
-        return self.status + "\n" + cut_middle(body, self.max_chars if max_chars is None else max_chars)
-
-
-def render_rstar2_public(result: ToolResult) -> str:
-    """The text the public rStar2-Agent code shows the model (microsoft/rStar, rstar2_agent/tools/code_judge_utils.py,
-    from its code-judge server's result): "Tool call success" or "Tool call failure" with the server's reason, then
-    "stdout: ..." and "stderr: ..." when not empty, then "execution time: {seconds:.2f}s", one line each; a text
-    longer than max_chars keeps its first and last max_chars // 2 characters around "...(truncated)..." (the public
-    agent loop's middle cut, rstar2_agent/rollout/rstar2_agent_loop.py). The server's reasons here: a timeout is
-    "worker_timeout", a dead worker "internal_error", any other failure "" (a non-zero exit); error_format applies
-    to stderr as in render()."""
-    stderr = last_line(result.stderr) if result.error_format == "last_line" and not result.ok else result.stderr
-    reason = {"timeout": "worker_timeout", "crash": "internal_error"}.get(result.status, "")
-    parts = ["Tool call success"] if result.ok else ["Tool call failure", f"reason: {reason}"]
-    if result.stdout:
-        parts.append(f"stdout: {result.stdout}")
-    if stderr:
-        parts.append(f"stderr: {stderr}")
-    text = "\n".join(parts + [f"execution time: {result.elapsed:.2f}s"])
-    half = result.max_chars // 2
-    return text if len(text) <= result.max_chars else text[:half] + "...(truncated)..." + text[-half:]
-
-
-# How a ToolResult is written for the model (config field tool_result_format, protocol.ChatFormat): this project's
-# text (ToolResult.render with the tool's defaults), or the public code's.
-RESULT_FORMATS = {"default": lambda result: result.render(), "rstar2_public": render_rstar2_public}
-
-
-def last_line(text: str) -> str:
-    """The last non-blank line of text, with its newline ("" when there is none)."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1] + "\n" if lines else ""
-
-
-def cut_middle(text: str, max_chars: int) -> str:
-    """Keep the first and last max_chars/2 characters, with a marker saying how many were cut."""
-    if len(text) <= max_chars:
-        return text
-    head, tail = max_chars // 2, len(text) - (max_chars - max_chars // 2)
-    return f"{text[:head]}\n...[{len(text) - max_chars} chars cut]...\n{text[tail:]}"
+        """Text the model sees: the status word on the first line, then stdout, then stderr, cut in the middle to
+        max_chars (protocol.render_result, with the markup: "ok\\n4\\n" for `print(2+2)`)."""
+        return render_result(self, max_chars, error_format)
 
 
 def parse(code: str) -> ast.Module | None:
