@@ -3,8 +3,8 @@
 Each call runs `code` in a fresh interpreter state with `input` on stdin and returns what a notebook
 shows: stdout; if nothing was printed and the code ends in a bare expression other than None, that
 value's repr (`x = 1` shows nothing); on error the traceback, cut to the frames of the model's code.
-`ToolResult.render()` is the text the model reads (protocol.render_result): the status word, then stdout and
-stderr cut in the middle ("ok\\n4\\n" for `print(2+2)`); with `error_format="last_line"` a
+`ToolResult.render()` is the text the model reads (protocol.render_result): the status word, a newline,
+then stdout and stderr cut in the middle ("ok\\n4\\n" for `print(2+2)`); with `error_format="last_line"` a
 failed call shows only the exception line of its traceback. The caller parses the code once, to
 route it and to find the expression a notebook echoes.
 
