@@ -23,6 +23,7 @@ leaves to the caller.
 
 Plain `python sft.py` / `train.py` on one process builds the same Accelerator; the policy applies only under an FSDP
 launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tests/cpu_fsdp.py on CPU processes).
+`is_sharded` and `full` are the two questions both loops ask of FSDP2's DTensors.
 """
 import os
 from datetime import timedelta
@@ -115,3 +116,14 @@ def gathered_parameters(model) -> dict[str, int]:
         return {}
     return {name: p.numel() * p.element_size() for name, p in model.named_parameters()
             if not isinstance(p, DTensor)}
+
+
+def is_sharded(model) -> bool:
+    """True when FSDP has split the model's parameters over ranks (DTensors): no rank holds the whole model."""
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a tensor that FSDP may hand back as a DTensor (the gradient norm)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

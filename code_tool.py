@@ -3,84 +3,28 @@
 Each call runs `code` in a fresh interpreter state with `input` on stdin and returns what a notebook
 shows: stdout; if nothing was printed and the code ends in a bare expression other than None, that
 value's repr (`x = 1` shows nothing); on error the traceback, cut to the frames of the model's code.
-`ToolResult.render()` is the text the model reads: the status word, a newline, then stdout and
-stderr cut in the middle ("ok\\n4\\n" for `print(2+2)`); with `error_format="last_line"` a
+`ToolResult.render()` is the text the model reads (protocol.render_result): the status word, a newline,
+then stdout and stderr cut in the middle ("ok\\n4\\n" for `print(2+2)`); with `error_format="last_line"` a
 failed call shows only the exception line of its traceback. The caller parses the code once, to
 route it and to find the expression a notebook echoes.
 
-Two backends behind one interface (`submit`, `run`, `run_batch`, a context manager, the same
-`ToolResult`s, timeouts and output caps); `backend="auto"` picks "servers" where os.fork,
-os.pidfd_open and os.memfd_create work (Linux), else "subprocess":
-- "servers" (Linux): the report's separate code service, on one machine. The caller never forks: it
-  starts W worker servers (sandbox/code_sandbox.py) with subprocess and talks JSON lines to all of them from
-  one thread (_Pool). A server imports numpy, sympy, ... once (PRELOAD), then forks a child per
-  call, so a call costs a fork, not an interpreter start and sympy's import. Half the servers
-  preload only the standard-library modules: a call whose code imports nothing else (`needs_heavy`)
-  goes to one of those, whose fork costs about half; heavy servers help with such calls only where a
-  core may be free (pick_lane). The server enforces the wall-clock timeout from outside with
-  SIGKILL, stops reading at max_output_bytes per stream (killing the call), and kills every process
-  the call left before the result goes back. sandbox/code_sandbox.py says what a call costs.
-- "subprocess" (any platform): a new interpreter per call (code_sandbox.run_once), watched by one
-  of W threads of the caller (_Subprocesses): the same limits where the platform has them, at the
-  price of an interpreter start per call, and sympy's import in every call that uses it. It is less
-  isolated (below); the tool says so once on stderr when it is chosen.
+Two backends behind one interface (`submit`, `run`, `run_batch`, a context manager, the same `ToolResult`s,
+timeouts and output caps); `backend="auto"` picks "servers" where os.fork, os.pidfd_open and os.memfd_create work
+(Linux), else "subprocess":
+- "servers" (Linux): the report's separate code service, on one machine: W worker servers (sandbox/code_sandbox.py)
+  import numpy, sympy, ... once and fork a child per call; the caller talks to all of them from one thread (_Pool).
+  Half preload only the standard library, for calls that import nothing else (`needs_heavy`).
+- "subprocess" (any platform): a new interpreter per call, watched by one of W threads of the caller
+  (_Subprocesses); less isolated, and the tool says so once on stderr when it is chosen.
 
-A server that dies or stops answering is replaced and its call reports "crash"; close(), garbage
-collection and interpreter exit end every process the tool started.
-
-Sandbox modes (`CodeTool.sandbox`; `CodeTool.sandbox_line` says it in one line, led by the mode and the kernel
-layers that hold, e.g. "namespaces+landlock(v7)+seccomp"; train.py and eval.py print it and save it as sandbox.txt
-in their run folder). In every mode: the wall-clock timeout, the output cap, a fresh directory per call as cwd,
-$HOME and $TMPDIR (removed after the call), and an environment with only PATH, PYTHONPATH and LD_LIBRARY_PATH of
-the caller's (and SYSTEMROOT on Windows). In every Linux mode also two kernel layers, in force before the code runs
-and inherited by all it starts (sandbox/landlock_seccomp.py says exactly what each allows):
-- Landlock (Linux 5.13+): the code reads and executes only the Python install and the offered modules, reads the
-  system's shared libraries, and writes only its call directory: not your home, the run folders, the project, /tmp,
-  the machine's /dev/shm, nor /proc. ABI 4 (Linux 6.7) adds: no TCP; ABI 6 (6.12): no signal to a process outside
-  the call's own (the trainer, its server).
-- seccomp: ptrace, mount and namespace calls, bpf, perf_event_open, keyrings, io_uring, kernel modules and kexec,
-  socket() of any family, SysV IPC, and changes to files' modes, owners, times and extended attributes, among
-  others, fail with PermissionError.
-A kernel without one of them (or an older ABI) runs without it (or with what the ABI has), and the line says so.
-- "namespaces" (servers; util-linux `unshare` works, as root or in a user namespace): each server is init of its
-  own PID, mount and network namespace. Protects: no network (not even loopback); the caller's processes can be
-  neither seen nor signalled; every process a call starts is killed when it ends; memory_mb caps the address space
-  of each process; files are capped at code_sandbox.FILE_LIMIT_MB each and a call's files at code_sandbox.SCRATCH_MB
-  in all (a tmpfs in the server's mount namespace, so RAM), its private /dev/shm included (emptied after each call:
-  multiprocessing's locks and queues work); no new privileges (setuid binaries give none), no core files, CPU time
-  capped. As root, the code runs as nobody (at most code_sandbox.NPROC_LIMIT processes), and directories nobody
-  cannot enter on the way to the Python install (e.g. /root) are covered by an empty tmpfs. Not root, the code runs
-  as your uid: without Landlock it can read and WRITE your files (home directory included).
-- "fallback-root" (servers; no usable unshare, e.g. a container without CAP_SYS_ADMIN; caller is root): the code
-  runs as nobody with the same rlimits; leftover processes are found by walking /proc below the server (a child
-  subreaper). Lacks, against "namespaces": the call directories are on disk, capped per file only; no /dev/shm for
-  the code, so multiprocessing's locks fail where Landlock holds; a Python install under /root gives the code only
-  the modules the server holds (PRELOAD, code_sandbox's). Without Landlock /proc shows every process, and without
-  ABI 6 a call can signal other processes of nobody (other calls); without the layers the network is open.
-- "fallback-user" (servers; no usable unshare, e.g. unprivileged user namespaces disabled; not root): as
-  fallback-root, but the code runs as your uid. With Landlock (ABI 6 or later) and seccomp, your files, the
-  environments of your processes and the network are out of its reach and your processes cannot be signalled; with
-  an older ABI they still can be (the trainer included); without the layers the code can read and WRITE your files,
-  read the environment of your processes (/proc/PID/environ: tokens, keys), signal them, and use the network.
-- "subprocess" (the portable backend): the code runs as your uid (as root, when the caller is root). POSIX: rlimits
-  on file size, core files and CPU time, on Linux memory_mb too (beyond a fresh interpreter's size, so what the
-  code imports counts), the two kernel layers and no new privileges, and the call's process group is killed when it
-  ends. Does not protect: its parent is the caller, so without Landlock ABI 6 `os.kill(os.getppid(), 9)` ends the
-  caller; a process that leaves the group with setsid() outlives the call; no process cap; the call directory is on
-  disk, capped per file only, and there is no /dev/shm for the code (as in the fallbacks); macOS and Windows get
-  neither kernel layer (your files readable and writable, the network open) and no memory cap; Windows no rlimits at
-  all, and only the interpreter itself is killed.
-
-`require_isolation=True` (config field `tool_require_isolation`) refuses to start unless the mode is "namespaces"
-and both kernel layers hold (Landlock of any ABI: in that mode the network and PID namespaces already give what ABI
-4 and 6 add, and seccomp refuses the truncations ABI 1 and 2 cannot stop).
-
-Not covered in any mode: a kernel bug or a side channel (timing, speculative execution) gets past every layer; the
-code can learn which paths exist and their sizes (stat), though not read them; memory_mb caps each process, not the
-sum over the processes a call starts; CPU is shared between calls only by the kernel scheduler, and without
-namespaces the code can still change the scheduling (affinity, I/O priority) of your other processes. A caller
-killed with SIGKILL leaves servers that exit at EOF on their stdin, after at most one call (subprocess backend:
-running calls end at their CPU limit or when they finish).
+Sandbox modes (`CodeTool.sandbox`; `CodeTool.sandbox_line` says it in one line, e.g.
+"namespaces+landlock(v7)+seccomp"; train.py and eval.py print it and save it as sandbox.txt in their run folder):
+"namespaces" (each server in its own PID, mount and network namespace), "fallback-root" and "fallback-user"
+(servers without a usable `unshare`), "subprocess". Every mode has the timeout, the output cap, a fresh directory
+per call and an environment with only PATH, PYTHONPATH and LD_LIBRARY_PATH; every Linux mode adds Landlock and
+seccomp where the kernel has them (sandbox/landlock_seccomp.py). `require_isolation=True` refuses to start unless
+the mode is "namespaces" with both kernel layers. What each mode protects, and what none does: the sandbox's full
+specification, sandbox/README.md.
 
 Demo: `.venv/bin/python code_tool.py [subprocess]`. Tests: tests/test_code_tool.py, and the hostile calls per mode,
 as root and as nobody, tests/test_code_tool_boundary.py. Benchmark: bench/code_tool.py.
@@ -106,6 +50,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
+from protocol import ERROR_FORMATS, render_result
 from sandbox import code_sandbox
 from sandbox import landlock_seccomp
 from sandbox.code_sandbox import PRELOAD, SCRATCH_MB
@@ -120,7 +65,6 @@ SANDBOX_PY = os.path.abspath(code_sandbox.__file__)
 # a subprocess-backend call: imported, not run as a script, so that its compiled bytecode is reused
 RUN_ONCE = (f"import sys; sys.path[0] = {os.path.dirname(SANDBOX_PY)!r}; import code_sandbox; "
             "code_sandbox.run_once(sys.argv[1])")
-ERROR_FORMATS = ("full", "last_line")  # how ToolResult.render() shows a failed call's stderr
 
 
 @dataclass
@@ -137,60 +81,9 @@ class ToolResult:
         return self.status == "ok"
 
     def render(self, max_chars: int | None = None, error_format: str | None = None) -> str:
-        """Text the model sees: the status word on the first line, then stdout, then stderr, the body cut in the
-        middle to max_chars. `print(2+2)` renders as "ok\\n4\\n"; a failure as "error\\n...ZeroDivisionError: x\\n".
-        error_format (ERROR_FORMATS): "full" shows a failed call's stderr whole (the compact traceback); "last_line"
-        only its last line, the exception ("NameError: name 'x' is not defined"), as agent setups that cut
-        tracebacks to save context do. A successful call's stderr is always shown whole."""
-        error_format = error_format or self.error_format
-        if error_format not in ERROR_FORMATS:
-            raise ValueError(f"error_format must be one of {ERROR_FORMATS}, got {error_format!r}")
-        stderr = self.stderr
-        if error_format == "last_line" and not self.ok:
-            stderr = last_line(stderr)
-        body = self.stdout
-        if stderr:
-            body += ("" if body.endswith("\n") or not body else "\n") + stderr
-        return self.status + "\n" + cut_middle(body, self.max_chars if max_chars is None else max_chars)
-
-
-def render_rstar2_public(result: ToolResult) -> str:
-    """The text the public rStar2-Agent code shows the model (microsoft/rStar, rstar2_agent/tools/code_judge_utils.py,
-    from its code-judge server's result): "Tool call success" or "Tool call failure" with the server's reason, then
-    "stdout: ..." and "stderr: ..." when not empty, then "execution time: {seconds:.2f}s", one line each; a text
-    longer than max_chars keeps its first and last max_chars // 2 characters around "...(truncated)..." (the public
-    agent loop's middle cut, rstar2_agent/rollout/rstar2_agent_loop.py). The server's reasons here: a timeout is
-    "worker_timeout", a dead worker "internal_error", any other failure "" (a non-zero exit); error_format applies
-    to stderr as in render()."""
-    stderr = last_line(result.stderr) if result.error_format == "last_line" and not result.ok else result.stderr
-    reason = {"timeout": "worker_timeout", "crash": "internal_error"}.get(result.status, "")
-    parts = ["Tool call success"] if result.ok else ["Tool call failure", f"reason: {reason}"]
-    if result.stdout:
-        parts.append(f"stdout: {result.stdout}")
-    if stderr:
-        parts.append(f"stderr: {stderr}")
-    text = "\n".join(parts + [f"execution time: {result.elapsed:.2f}s"])
-    half = result.max_chars // 2
-    return text if len(text) <= result.max_chars else text[:half] + "...(truncated)..." + text[-half:]
-
-
-# How a ToolResult is written for the model (config field tool_result_format, protocol.ChatFormat): this project's
-# text (ToolResult.render with the tool's defaults), or the public code's.
-RESULT_FORMATS = {"default": lambda result: result.render(), "rstar2_public": render_rstar2_public}
-
-
-def last_line(text: str) -> str:
-    """The last non-blank line of text, with its newline ("" when there is none)."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1] + "\n" if lines else ""
-
-
-def cut_middle(text: str, max_chars: int) -> str:
-    """Keep the first and last max_chars/2 characters, with a marker saying how many were cut."""
-    if len(text) <= max_chars:
-        return text
-    head, tail = max_chars // 2, len(text) - (max_chars - max_chars // 2)
-    return f"{text[:head]}\n...[{len(text) - max_chars} chars cut]...\n{text[tail:]}"
+        """Text the model sees: the status word on the first line, then stdout, then stderr, cut in the middle to
+        max_chars (protocol.render_result, with the markup: "ok\\n4\\n" for `print(2+2)`)."""
+        return render_result(self, max_chars, error_format)
 
 
 def parse(code: str) -> ast.Module | None:

@@ -40,7 +40,7 @@ stage-3 data ("the problems the stage-2 policy did not solve 8 of 8 times"), e.g
 
 (with several benchmarks, their unsolved problems are concatenated in benchmark order).
 
-Samplers (`sampler: hf | vllm`, samplers/hf.py and sampler.py): hf for the tiny model and small checks; vllm for
+Samplers (`sampler: hf | vllm | reference`, samplers/): hf for the tiny model and small checks; vllm for
 real checkpoints at the report's budgets (HFSampler holds each slot's whole row of keys and values, unpaged, in one
 process). The seed is set again before each benchmark, so a benchmark's samples do not depend on which ran before
 it (hf; vLLM seeds its engine once); with `sync_turns=true` they do not depend on tool timing either.
@@ -109,7 +109,7 @@ class EvalConfig:
     tool_required: list[str] = field(default_factory=lambda: ["code"])  # the arguments its schema marks required
     tool_result_format: str = "default"   # how a result reads: default ("ok\n4\n") | rstar2_public ("Tool call ...")
     newline_after_turn: bool = True       # "\n" after an assistant turn's <|im_end|> (the public agent loop: none)
-    sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU; CPU build too)
+    sampler: str = "hf"                   # hf (our decode loop, CPU/GPU) | vllm (GPU; CPU too) | reference (slow)
     batch_size: int = 64                  # rollouts per rollout() call; hf: also decoding slots (vllm: raise it)
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
     limit: int = 0                        # first N problems of each benchmark (0: all), for quick runs
@@ -141,11 +141,14 @@ RANGES = {
 }
 
 
+SAMPLERS = ("hf", "vllm", "reference")  # config field `sampler`: samplers/hf.py, vllm_engine.py, reference.py
+
+
 def check_config(cfg: EvalConfig) -> None:
     """Config errors that need no files (values out of range, unknown sampler, no model), before any work."""
     problems = check_ranges(cfg, RANGES)
-    if cfg.sampler not in ("hf", "vllm"):
-        problems.append(f"sampler must be hf or vllm, got {cfg.sampler!r}")
+    if cfg.sampler not in SAMPLERS:
+        problems.append(f"sampler must be hf, vllm or reference, got {cfg.sampler!r}")
     if not cfg.model_path:
         problems.append("model_path is required")
     from code_tool import ERROR_FORMATS
@@ -499,7 +502,8 @@ def load_model(cfg: EvalConfig):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from samplers.hf import HFSampler
-    from sampler import VLLMSampler
+    from samplers.reference import ReferenceSampler
+    from samplers.vllm_engine import VLLMSampler
     try:
         tokenizer = load_pretrained(AutoTokenizer, cfg.model_path)
         model = None if cfg.sampler == "vllm" else load_pretrained(AutoModelForCausalLM, cfg.model_path,
@@ -516,6 +520,8 @@ def load_model(cfg: EvalConfig):
                            enforce_eager=cfg.vllm_enforce_eager, enable_sleep_mode=False,  # nothing trains here
                            **launcher), tokenizer
     model.to("cuda" if torch.cuda.is_available() else "cpu")  # "cuda": the rank's GPU (PartialState set it)
+    if cfg.sampler == "reference":
+        return ReferenceSampler(model, tokenizer), tokenizer
     return HFSampler(model, tokenizer, batch_size=cfg.batch_size), tokenizer
 
 

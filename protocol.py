@@ -30,7 +30,7 @@ ChatFormat from them, in one place; resuming a run with other values is refused 
 - `tool_name`, `tool_required`: the tool's name (a call naming another is an "unknown tool" error) and the
   arguments its schema marks required (the schema in the system prompt shows them; the parser always needs `code`
   and reads a missing `input` as empty, as the public tool does);
-- `tool_result_format`: how a ToolResult is written for the model (code_tool.RESULT_FORMATS);
+- `tool_result_format`: how a ToolResult is written for the model (RESULT_FORMATS, below);
 - `newline_after_turn`: the "\n" after an assistant turn's <|im_end|> (ChatML's separator), before a tool response
   and at the end of an SFT conversation; the public agent loop appends the tool response right after <|im_end|>.
 Defaults are this project's format above. configs/formats/rstar2_public.yaml holds the public rStar2-Agent format
@@ -287,6 +287,68 @@ def count_answer_blocks(text: str) -> int:
     return len(re.findall(r"<answer>.*?</answer>", text, flags=re.DOTALL))
 
 
+# ============================================================================ the tool's result, as the model reads it
+# `result`: a code_tool.ToolResult (status, stdout, stderr, elapsed, and its defaults max_chars and error_format).
+ERROR_FORMATS = ("full", "last_line")  # how render_result shows a failed call's stderr
+
+
+def render_result(result, max_chars: int | None = None, error_format: str | None = None) -> str:
+    """Text the model sees: the status word on the first line, then stdout, then stderr, the body cut in the
+    middle to max_chars. `print(2+2)` renders as "ok\\n4\\n"; a failure as "error\\n...ZeroDivisionError: x\\n".
+    error_format (ERROR_FORMATS): "full" shows a failed call's stderr whole (the compact traceback); "last_line"
+    only its last line, the exception ("NameError: name 'x' is not defined"), as agent setups that cut
+    tracebacks to save context do. A successful call's stderr is always shown whole."""
+    error_format = error_format or result.error_format
+    if error_format not in ERROR_FORMATS:
+        raise ValueError(f"error_format must be one of {ERROR_FORMATS}, got {error_format!r}")
+    stderr = result.stderr
+    if error_format == "last_line" and not result.ok:
+        stderr = last_line(stderr)
+    body = result.stdout
+    if stderr:
+        body += ("" if body.endswith("\n") or not body else "\n") + stderr
+    return result.status + "\n" + cut_middle(body, result.max_chars if max_chars is None else max_chars)
+
+
+def render_rstar2_public(result) -> str:
+    """The text the public rStar2-Agent code shows the model (microsoft/rStar, rstar2_agent/tools/code_judge_utils.py,
+    from its code-judge server's result): "Tool call success" or "Tool call failure" with the server's reason, then
+    "stdout: ..." and "stderr: ..." when not empty, then "execution time: {seconds:.2f}s", one line each; a text
+    longer than max_chars keeps its first and last max_chars // 2 characters around "...(truncated)..." (the public
+    agent loop's middle cut, rstar2_agent/rollout/rstar2_agent_loop.py). The server's reasons here: a timeout is
+    "worker_timeout", a dead worker "internal_error", any other failure "" (a non-zero exit); error_format applies
+    to stderr as in render_result."""
+    stderr = last_line(result.stderr) if result.error_format == "last_line" and not result.ok else result.stderr
+    reason = {"timeout": "worker_timeout", "crash": "internal_error"}.get(result.status, "")
+    parts = ["Tool call success"] if result.ok else ["Tool call failure", f"reason: {reason}"]
+    if result.stdout:
+        parts.append(f"stdout: {result.stdout}")
+    if stderr:
+        parts.append(f"stderr: {stderr}")
+    text = "\n".join(parts + [f"execution time: {result.elapsed:.2f}s"])
+    half = result.max_chars // 2
+    return text if len(text) <= result.max_chars else text[:half] + "...(truncated)..." + text[-half:]
+
+
+# How a ToolResult is written for the model (config field tool_result_format, ChatFormat): this project's text
+# (ToolResult.render: render_result with the tool's defaults), or the public code's.
+RESULT_FORMATS = {"default": lambda result: result.render(), "rstar2_public": render_rstar2_public}
+
+
+def last_line(text: str) -> str:
+    """The last non-blank line of text, with its newline ("" when there is none)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] + "\n" if lines else ""
+
+
+def cut_middle(text: str, max_chars: int) -> str:
+    """Keep the first and last max_chars/2 characters, with a marker saying how many were cut."""
+    if len(text) <= max_chars:
+        return text
+    head, tail = max_chars // 2, len(text) - (max_chars - max_chars // 2)
+    return f"{text[:head]}\n...[{len(text) - max_chars} chars cut]...\n{text[tail:]}"
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     """The replaceable parts of the protocol (the module docstring; `chat_format` builds one from config values,
@@ -296,7 +358,7 @@ class ChatFormat:
     user_template: str = USER_TEMPLATES["default"]  # the text, with its {problem} slot
     tool_name: str = TOOL_NAME
     tool_required: tuple[str, ...] = ("code",)
-    tool_result_format: str = "default"  # a key of code_tool.RESULT_FORMATS
+    tool_result_format: str = "default"  # a key of RESULT_FORMATS
     newline_after_turn: bool = True
 
     def prompt(self, problem: str) -> Rendered:
@@ -366,7 +428,6 @@ def chat_format(system_prompt: str = "default", user_instruction: str = DEFAULT_
     """The ChatFormat for config values (the fields of the same names; module docstring). `system_prompt` and
     `user_template` are preset names (SYSTEM_PROMPTS, USER_TEMPLATES) or the text itself. Raises ValueError naming
     the field on a value that cannot work."""
-    from code_tool import RESULT_FORMATS  # the renderers live beside ToolResult (imported here: code_tool is big)
     template = USER_TEMPLATES.get(user_template, user_template)
     if template.count("{problem}") != 1 or template.count("{instruction}") > 1:
         raise ValueError(f"user_template must hold {{problem}} once and {{instruction}} at most once: {template!r}")

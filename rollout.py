@@ -34,8 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
-from code_tool import RESULT_FORMATS
-from protocol import ChatFormat, ToolCall, count_answer_blocks, encode
+from protocol import RESULT_FORMATS, ChatFormat, ToolCall, count_answer_blocks, encode
 
 END_REASONS = ("answer", "max_turns", "length")
 PARSE_ERROR = "parse_error"  # ToolCallRecord.status of a call that could not be parsed, so it never ran

@@ -304,12 +304,6 @@ def make_accelerator(cfg: SFTConfig) -> tuple[Accelerator, int]:
     return acc, cfg.batch_size // per_step
 
 
-def is_sharded(model) -> bool:
-    """True when FSDP has split the model's parameters over ranks (DTensors): no rank holds the whole model."""
-    from torch.distributed.tensor import DTensor
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
 def rank_share(window: list, rank: int, world: int) -> tuple[list, int]:
     """This rank's micro-batches of a window (the window's r, r+P, r+2P, ...) and how many micro-batches every rank
     runs: the most any rank has, so that all join every collective (the others run fillers)."""
@@ -355,9 +349,7 @@ def optimizer_step(acc: Accelerator, model, optimizer, scheduler, cfg: SFTConfig
                    out: Path) -> None:
     """Clip the gradient, stop on a non-finite loss or norm (before the weights change), step the optimizer and,
     once, the lr schedule."""
-    grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    if hasattr(grad_norm, "full_tensor"):  # FSDP2 hands the norm back as a DTensor
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = accel.full(acc.clip_grad_norm_(model.parameters(), cfg.grad_clip))  # FSDP2: a DTensor
     stop_unless_finite(acc, losses, grad_norm, step, out)
     optimizer.step()
     scheduler.step()
@@ -466,6 +458,21 @@ def load_model(cfg: SFTConfig):
     return model, optimizer
 
 
+def training_data(acc: Accelerator, cfg: SFTConfig, tokenizer, chat, conversations):
+    """The tokenized conversations that fit max_seq_len (examples), their length-grouped micro-batches, and the
+    collate function (padded or packed) that turns a micro-batch into tensors."""
+    examples, skipped = build_examples(tokenizer, conversations, chat, cfg.max_seq_len)
+    acc.print(f"sft: {len(examples)} conversations, {skipped} skipped (longer than max_seq_len={cfg.max_seq_len})")
+    if not examples:
+        raise SystemExit("sft: every conversation is longer than max_seq_len")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    collate_fn = functools.partial(COLLATE[cfg.packing], pad_id=pad_id)
+    # group_by_length=False is the same sampler with windows of one micro-batch: a plain shuffle, resumable alike
+    batches = LengthGroupedBatches([len(ids) for ids, _ in examples], cfg.micro_batch_size, cfg.seed,
+                                   window=32 if cfg.group_by_length else 1)
+    return examples, batches, collate_fn
+
+
 def train(cfg: SFTConfig) -> Path:
     """Run SFT as configured (continuing from a checkpoint where there is one); returns the saved model's folder."""
     from transformers import AutoTokenizer
@@ -475,6 +482,7 @@ def train(cfg: SFTConfig) -> Path:
         saved_dtype = input_dtype(cfg.model_path)
     except ValueError as e:
         raise SystemExit(f"sft: {e}") from None
+    # ---- the run folder (resumed where it holds a checkpoint), the accelerator
     out = Path(cfg.out_dir)
     identity = run_identity(cfg, [cfg.data])
     checkpoint = resume_point(cfg, out, identity, RESUME_FREE)
@@ -488,16 +496,9 @@ def train(cfg: SFTConfig) -> Path:
         begin_run(out, checkpoint)
         save_config(cfg, out / "config.yaml")
 
+    # ---- model, data, schedule
     model, optimizer = load_model(cfg)  # model/ is saved in `saved_dtype` at the end
-    examples, skipped = build_examples(tokenizer, conversations, chat, cfg.max_seq_len)
-    acc.print(f"sft: {len(examples)} conversations, {skipped} skipped (longer than max_seq_len={cfg.max_seq_len})")
-    if not examples:
-        raise SystemExit("sft: every conversation is longer than max_seq_len")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    collate_fn = functools.partial(COLLATE[cfg.packing], pad_id=pad_id)
-    # group_by_length=False is the same sampler with windows of one micro-batch: a plain shuffle, resumable alike
-    batches = LengthGroupedBatches([len(ids) for ids, _ in examples], cfg.micro_batch_size, cfg.seed,
-                                   window=32 if cfg.group_by_length else 1)
+    examples, batches, collate_fn = training_data(acc, cfg, tokenizer, chat, conversations)
     W, P = cfg.batch_size // cfg.micro_batch_size, acc.num_processes
     steps_per_epoch, total_steps, warmup_steps = step_plan(len(batches), cfg)
     # Stepped once per optimizer step here, not prepared (Accelerate would step it once per process); registered,
@@ -510,7 +511,8 @@ def train(cfg: SFTConfig) -> Path:
               f"{cfg.micro_batch_size} x {per_rank} accumulation x {P} ranks, warm-up {warmup_steps} steps")
     step, start = resume(acc, checkpoint, steps_per_epoch, W)
 
-    sharded, losses, tokens, t0 = is_sharded(model), [], 0, time.perf_counter()
+    # ---- the loop: each optimizer step accumulates one window of micro-batches; log and checkpoint every few
+    sharded, losses, tokens, t0 = accel.is_sharded(model), [], 0, time.perf_counter()
     bar = tqdm(total=total_steps, initial=step, desc="sft", disable=not acc.is_local_main_process, file=sys.stdout)
     model.train()
     for epoch, k, window in windows(batches, cfg.epochs, W, start):

@@ -59,7 +59,8 @@ from grpo_roc import (drop_equal_groups, group_advantages, mismatch_sums, penalt
 from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of, encode
 from reward import check_many, default_pool, extract_answer
 from rollout import rollout, rollout_sums
-from sampler import HANDOFF_PROBE_TOKENS, VLLMSampler, check_handoff, handoff_tolerance, sequence_logprobs
+from sampler import HANDOFF_PROBE_TOKENS, check_handoff, handoff_tolerance, sequence_logprobs
+from samplers.vllm_engine import VLLMSampler
 
 USAGE = """One RL stage with GRPO-RoC.
   python train.py [CONFIG.yaml ...] [key=value ...]

@@ -80,7 +80,7 @@ def main() -> None:
     samplers = [("HFSampler", "float32", lambda: HFSampler(model, tokenizer, batch_size=len(problems)))]
     try:
         import vllm  # noqa: F401
-        from sampler import VLLMSampler
+        from samplers.vllm_engine import VLLMSampler
         for dtype in ("float32", "bfloat16"):
             samplers.append(("vLLM (CPU build)", dtype, lambda dtype=dtype: VLLMSampler(
                 a.model, tokenizer, dtype=dtype, enforce_eager=True, seed=a.seed, kv_cache_memory_bytes=256 << 20)))

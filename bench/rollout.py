@@ -196,7 +196,7 @@ def main():
     prompts = [tokenizer.encode(fmt.prompt(q), add_special_tokens=False) for q in problems]
     engine = None
     if a.vllm:
-        from sampler import VLLMSampler
+        from samplers.vllm_engine import VLLMSampler
         engine = VLLMSampler(str(model_dir), tokenizer, dtype="float32", enforce_eager=True, seed=a.seed,
                              kv_cache_memory_bytes=256 << 20)
         generate_all(engine, prompts, [16] * a.n)  # warm the engine: its first steps are slow

@@ -18,7 +18,8 @@ import pytest
 from sandbox import code_sandbox
 import code_tool
 from sandbox.code_sandbox import CHILD_GC_THRESHOLD, SCRATCH_MB
-from code_tool import CodeTool, Sandbox, SandboxError, ToolResult, cut_middle
+from code_tool import CodeTool, Sandbox, SandboxError, ToolResult
+from protocol import cut_middle
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 1.0

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 import code_tool
-from code_tool import CodeTool, Sandbox, ToolResult, last_line
+from code_tool import CodeTool, Sandbox, ToolResult
+from protocol import last_line
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534

@@ -134,12 +134,12 @@ def test_help_lists_every_field_with_type_default_and_comment(entry):
     assert "lr (float, default " in out.stdout if entry != "eval" else "samples (int, default 16)" in out.stdout
 
 
-@pytest.mark.parametrize("entry", ["tiny_pipeline", "ablation"])
+@pytest.mark.parametrize("entry", ["tiny.pipeline", "tiny.ablation"])
 def test_argparse_entry_points_answer_help(entry):
     import subprocess
     import sys
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, f"{entry}.py", "--help"], cwd=root, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", entry, "--help"], cwd=root, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "usage:" in out.stdout, out.stderr
 

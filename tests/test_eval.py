@@ -252,11 +252,11 @@ def test_eval_with_the_public_format_runs_and_scores_its_tool_calls(tmp_path, mo
 def test_vllm_sampler_is_built_with_the_config_and_a_valid_signature(tmp_path, monkeypatch):
     """vLLM is not installed here: check that load_model calls VLLMSampler with arguments its signature accepts."""
     import inspect
-    import sampler
-    real = sampler.VLLMSampler
+    from samplers import vllm_engine
+    real = vllm_engine.VLLMSampler
     TOK.save_pretrained(tmp_path / "model")
     built = []
-    monkeypatch.setattr(sampler, "VLLMSampler", lambda *args, **kwargs: built.append((args, kwargs)) or "engine")
+    monkeypatch.setattr(vllm_engine, "VLLMSampler", lambda *args, **kwargs: built.append((args, kwargs)) or "engine")
     cfg = ev.EvalConfig(model_path=str(tmp_path / "model"), sampler="vllm", vllm_tensor_parallel_size=2, seed=3)
     engine, tokenizer = ev.load_model(cfg)
     assert engine == "engine" and tokenizer.convert_tokens_to_ids(IM_END) == IM_END_ID
@@ -264,7 +264,7 @@ def test_vllm_sampler_is_built_with_the_config_and_a_valid_signature(tmp_path, m
     bound = inspect.signature(real).bind(*args, **kwargs).arguments  # raises if an argument does not fit
     assert bound["model_path"] == cfg.model_path and bound["im_end_id"] == IM_END_ID
     assert (bound["tensor_parallel_size"], bound["seed"], bound["dtype"]) == (2, 3, "bfloat16")
-    with pytest.raises(SystemExit, match="sampler must be hf or vllm"):
+    with pytest.raises(SystemExit, match="sampler must be hf, vllm or reference"):
         ev.run(ev.EvalConfig(model_path="m", sampler="tgi", out_dir=str(tmp_path / "out")))
 
 

@@ -10,10 +10,10 @@ import pytest
 import eval as ev
 import sft
 import train
-from code_tool import RESULT_FORMATS, ToolResult
+from code_tool import ToolResult
 from config import load_config
-from protocol import (CHAT_FIELDS, DEFAULT_SYSTEM_PROMPT, PUBLIC_TOOL_NAME, TOOL_NAME, ChatFormat, chat_format,
-                      chat_format_of, format_tool_call, parse_tool_call)
+from protocol import (CHAT_FIELDS, DEFAULT_SYSTEM_PROMPT, PUBLIC_TOOL_NAME, RESULT_FORMATS, TOOL_NAME, ChatFormat,
+                      chat_format, chat_format_of, format_tool_call, parse_tool_call)
 
 pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
 

@@ -180,7 +180,7 @@ def test_eval_runs_the_real_eval_config_on_the_engine(recipe):
 def bf16_sampler(path: Path, tok):
     """The run's sampler on the model at `path`, computing in bf16: a vLLM engine, or HFSampler on a bf16 copy."""
     if SAMPLER == "vllm":
-        from sampler import VLLMSampler
+        from samplers.vllm_engine import VLLMSampler
         return VLLMSampler(str(path), tok, seed=0, dtype="bfloat16", enforce_eager=True,
                            kv_cache_memory_bytes=256 << 20)
     from samplers.hf import HFSampler

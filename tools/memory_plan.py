@@ -38,14 +38,14 @@ what train.py does:
   what it allocated outside its pools stays (VLLM_ASLEEP_GB). The CUDA graphs are in that pool only with the engine
   argument `sleep_mode_offload_cudagraph=True` (default False: they are captured into torch's own graph pool and
   stay on the GPU, engine_graphs more while asleep; vllm/compilation/cudagraph_pool.py, `capture_pool`);
-  sampler.VLLMSampler passes it where vLLM has it (0.32 and 0.33 do). The hand-off then wakes the weights and
-  loads every one before the KV cache wakes, a lower peak than sampling. `HFSampler` under FSDP holds its own bf16
-  copy and a KV buffer per slot; without FSDP it decodes with the trainer's own model.
+  VLLMSampler (samplers/vllm_engine.py) passes it where vLLM has it (0.32 and 0.33 do). The hand-off then wakes
+  the weights and loads every one before the KV cache wakes, a lower peak than sampling. `HFSampler` under FSDP
+  holds its own bf16 copy and a KV buffer per slot; without FSDP it decodes with the trainer's own model.
 SFT (`sft_memory_per_gpu`, FSDP2 launches): the same fp32 state and gathered groups; SFT's loss keeps more of the
 logits (SFT_LOGITS_BYTES); and FSDP2's reduce-scatter transient (`reduce_scatter_bytes`: the largest group's bf16
 gradient and its fp32 copy, 4.7 GB at 14B), which the RL update's estimate does not count yet.
 Not counted: allocator fragmentation (blocks that `torch.cuda.empty_cache()` cannot return because live tensors
-share them; sampler.release_cached_memory empties the cache before every wake-up, and bench/gpu_smoke.py measures
+share them; vllm_engine.release_cached_memory empties the cache before every wake-up, and bench/gpu_smoke.py measures
 what stays), the code tool's processes (CPU only).
 """
 import json
