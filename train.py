@@ -53,9 +53,9 @@ from samplers.hf import HFSampler
 from logprobs import sampled_logprobs
 from tools.memory_plan import engine_lines, memory_lines
 from tools.plots import plot_curves
-from grpo_roc import (drop_equal_groups, group_advantages, mismatch_sums, penalty_total, policy_loss,
-                      resample_on_correct, sequence_log_ratios, sequence_mask_weights, sequence_mean_policy_loss,
-                      sequence_mismatch, truncated_is_weights)
+from grpo_roc import (ROC_SELECTORS, drop_equal_groups, group_advantages, penalty_total, policy_loss,
+                      resample_on_correct, sequence_mean_policy_loss)
+from mismatch import mismatch_sums, sequence_log_ratios, sequence_mask_weights, sequence_mismatch, truncated_is_weights
 from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of, encode
 from reward import check_many, default_pool, extract_answer
 from rollout import rollout, rollout_sums
@@ -184,7 +184,7 @@ RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "dry_run", "world_si
 def validate(cfg: TrainConfig, world: int) -> None:
     """Config errors that need no files, raised before any work."""
     problems = check_ranges(cfg, RANGES)
-    if cfg.roc_mode not in ("sample", "lowest", "off"):
+    if cfg.roc_mode not in ROC_SELECTORS:
         problems.append(f"roc_mode must be sample, lowest or off, got {cfg.roc_mode!r}")
     if cfg.roc_mode == "off" and cfg.group_size != cfg.rollouts_per_prompt:
         problems.append("roc_mode=off keeps every rollout: set group_size == rollouts_per_prompt")
@@ -244,8 +244,6 @@ def select_rollouts(rewards: list[list[float]], penalties: list[list[float]], ke
     generators: one torch.Generator per group (seeded by the group's global position, so the choice does not
     depend on how many ranks share the step)."""
     groups = drop_equal_groups(rewards)
-    if mode == "off":
-        return groups, [list(range(len(rewards[g]))) for g in groups]
     return groups, [resample_on_correct(rewards[g], penalties[g], keep, mode=mode, generator=generators[g])
                     for g in groups]
 
@@ -471,7 +469,7 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
         # or sequences (sequence-mean ablation).
         tokens, seqs = all_sum(accelerator, [sum(batches[i][0]["loss_mask"].sum().item() for i in ids),
                                              sum(len(chunks[i]) for i in ids)])
-        norm = {"num_tokens": tokens} if cfg.loss_agg == "token" else {"num_sequences": max(seqs, 1)}
+        norm = {"normaliser": tokens} if cfg.loss_agg == "token" else {"normaliser": max(seqs, 1)}
         loss_sum = 0.0
         for j, i in enumerate(ids):
             (batch, adv), last = batches[i], j == len(ids) - 1

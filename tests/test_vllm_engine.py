@@ -34,8 +34,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import train  # noqa: E402
 from code_tool import CodeTool  # noqa: E402
 from data import write_jsonl  # noqa: E402
-from grpo_roc import (mismatch_sums, policy_loss, sequence_log_ratios, sequence_mask_weights,  # noqa: E402
-                      sequence_mismatch, truncated_is_weights)
+from grpo_roc import policy_loss  # noqa: E402
+from mismatch import (mismatch_sums, sequence_log_ratios, sequence_mask_weights, sequence_mismatch,  # noqa: E402
+                      truncated_is_weights)
 from protocol import IM_END, TOOL_NAME, chat_format  # noqa: E402
 from rollout import rollout  # noqa: E402
 from sampler import HANDOFF_TOLERANCE, VLLMSampler, check_handoff, sequence_logprobs  # noqa: E402
