@@ -94,7 +94,8 @@ def train_step(step: int, cfg: "TrainConfig", run) -> dict:
     penalties = [[penalty_total(t.num_tool_calls, t.num_failed_tool_calls, t.num_answer_blocks, t.num_turns)
                   for t in trajs[g * K:(g + 1) * K]] for g in range(len(problems))]
     first = acc.process_index * len(problems)  # global position of this rank's first group in the step
-    gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 10_007 + first + g) for g in range(len(problems))]
+    gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 10_007 + first + g)
+            for g in range(len(problems))]
     groups, kept_idx = select_rollouts(grouped, penalties, cfg.group_size, cfg.roc_mode, gens)
     kept = [trajs[g * K + i] for g, idx in zip(groups, kept_idx) for i in idx]
     # ---------------------------------------------------------------- 6. advantages per kept group
