@@ -98,7 +98,7 @@ def reshard(model) -> None:
     embedding when tied) with reshard_after_forward=False (`fsdp2_prepare_model`, accelerate/utils/fsdp_utils.py),
     so that the backward need not gather them again. torch's `FSDPParamGroup.reshard` returns early for such a group
     after its forward (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py); only the post-backward frees it.
-    A no-grad forward (train.verify_handoff's) has no backward, so those groups would stay gathered in bf16 through
+    A no-grad forward (handoff.verify_handoff's) has no backward, so those groups would stay gathered in bf16 through
     the whole rollout (1.6 GB for Qwen3-14B's lm_head). `FSDPModule.reshard` frees them; the next forward gathers
     them again."""
     from torch.distributed.fsdp import FSDPModule

@@ -1,4 +1,5 @@
-"""Crash-safe checkpoints for sft.py and train.py, the rules for continuing a run, and atomic file writes.
+"""Crash-safe checkpoints for sft.py and train.py, the rules for continuing a run, atomic file writes, and reading
+another run's optimizer state (train.py's `optimizer_from`).
 
 A checkpoint is a folder `checkpoint-{step}` in the run folder holding what Accelerate's `save_state` writes
 (model, optimizer, scheduler, and every process's RNG states: python, numpy, torch, device) plus our
@@ -265,6 +266,35 @@ def load_checkpoint(accelerator, path) -> dict:
                           f"are per rank and do not")
     accelerator.load_state(str(path))
     return state
+
+
+OPTIMIZER_FILES = ("optimizer.bin", "optimizer_0")  # Accelerate's save_state: whole, or sharded (FSDP's DCP folder)
+
+
+def optimizer_file(path: str) -> Path:
+    """The AdamW state of a checkpoint folder, or of a run folder's latest checkpoint (OPTIMIZER_FILES)."""
+    folder = Path(path)
+    if not any((folder / f).exists() for f in OPTIMIZER_FILES) and (folder / "latest").is_file():
+        folder = latest_checkpoint(folder)
+    for name in OPTIMIZER_FILES:
+        if (folder / name).exists():
+            return folder / name
+    raise SystemExit(f"input error: optimizer_from={path}: no optimizer.bin or optimizer_0/ there or in its "
+                     "latest checkpoint")
+
+
+def load_optimizer(accelerator, model, optimizer, file: Path) -> None:
+    """Another run's AdamW state into the prepared optimizer: under FSDP through Accelerate's loader (each rank
+    reads its shard of a sharded checkpoint), else optimizer.bin."""
+    from accelerate.utils import DistributedType, load_fsdp_optimizer
+    if accelerator.distributed_type == DistributedType.FSDP:
+        load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(file.parent))
+    elif file.name != "optimizer.bin":
+        raise SystemExit(f"input error: optimizer_from: {file} is a sharded FSDP checkpoint; launch with an FSDP "
+                         "Accelerate config to read it")
+    else:
+        import torch
+        optimizer.load_state_dict(torch.load(file, weights_only=False))
 
 
 # ============================================================================ continuing a run

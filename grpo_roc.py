@@ -11,37 +11,28 @@ Report", arXiv 2508.20722, §2; in our words: docs/method.md, section 3):
    (`tool_error_penalty`, `format_penalty`, `penalty_total`).
 3. `group_advantages`: A_i = (r_i - mean) / (std + 1e-6) per group of G, std unbiased (n - 1).
 4. `policy_loss`: token-level clipped surrogate (DAPO-style, clip 0.2 / 0.28), summed over all unmasked
-   tokens and divided by the token count of the whole optimizer step (`num_tokens`), so micro-batches and
+   tokens and divided by the token count of the whole optimizer step (`normaliser`), so micro-batches and
    data-parallel ranks add up to exactly the big-batch gradient (verl only approximates this per
-   micro-batch). `sequence_mean_policy_loss` is the original GRPO aggregation, for ablations.
+   micro-batch). `sequence_mean_policy_loss` is the original GRPO aggregation, for ablations (its `normaliser`
+   counts sequences). Both take optional per-token weights, the mismatch corrections of mismatch.py.
 
 Report vs public code (docs/method.md §8), as offered here:
 - RoC selection: mode="sample" (report, default) or mode="lowest" (public code: positives by lowest
-  penalty, ties by rollout order; negatives the first k in rollout order). Counts: Python's round (ties to
-  even) as the public code uses, so both modes keep the public code's counts when keep = 2G / 2 with G even
-  (G >= 4). For odd G the public code rounds both counts separately, which can miss G (it then fails an
-  assertion), and settles exact halves by which minimum it tests first (`roc_counts` has the details).
+  penalty, ties by rollout order; negatives the first k in rollout order); mode="off" keeps all 2G (plain GRPO,
+  an ablation). Counts: Python's round (ties to even) as the public code uses, so "sample" and "lowest" keep the
+  public code's counts when keep = 2G / 2 with G even (G >= 4). For odd G the public code rounds both counts
+  separately, which can miss G (it then fails an assertion), and settles exact halves by which minimum it tests
+  first (`roc_counts` has the details).
 - Optional dual clip (verl's c = 3.0 for A < 0, not in the report): dual_clip=None (off) by default.
 - What counts as a failed call and how many turns p_format divides by are the caller's counts; the public
   code's p_format divides by the turns after the first (pass num_turns - 1 to mimic it; the public code
   returns 1 where that count is 0, this function raises).
 
-Beyond the report (docs/method.md §9): the sampler (vLLM in bf16, our decode loop) never computes exactly the
-trainer's probabilities, so rollouts come from pi_sampler while the loss treats them as drawn from pi_old.
-- `mismatch_sums`, `sequence_log_ratios`, `sequence_mismatch`: how far apart the two are, measured on the sampled
-  tokens every step (metrics `mismatch/*`, docs/metrics.md).
-- Corrections (off by default, as in the report and its public code), as per-token weights that multiply each
-  token's loss: `truncated_is_weights`, token-level truncated importance sampling min(pi_old / pi_sampler, C)
-  (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"); and
-  `sequence_mask_weights`, which drops a rollout whose geometric-mean ratio over its tokens leaves a band (verl's
-  geometric rejection sampling in its "rollout correction"; Liu et al. 2025, "When Speed Kills Stability"; TRL's
-  `vllm_importance_sampling_correction` masks on the product over tokens instead).
-
 Left out on purpose, as in the report's recipe: no KL penalty and hence no reference
 model (it would cost a second model in memory and a forward pass per step, and it ties the policy to the SFT
 model the RL stage is meant to move away from); no entropy bonus (the asymmetric clip-higher bound 0.28 is what
-keeps exploration here; an entropy bonus would be one more coefficient to tune). No ranks, logging or config
-objects either: callers do that.
+keeps exploration here; an entropy bonus would be one more coefficient to tune). Not here either: the
+sampler-trainer mismatch metrics and corrections (mismatch.py), and ranks, logging or config objects (train.py).
 
 Run `python grpo_roc.py` for a toy walk-through; tests are in tests/test_grpo_roc.py.
 """
@@ -142,7 +133,14 @@ def _select_lowest(pos, pos_penalty, neg, n_pos_keep, n_neg_keep, generator):
     return [pos[i] for i in by_penalty[:n_pos_keep]] + neg[:n_neg_keep]
 
 
-ROC_SELECTORS = {"sample": _select_sample, "lowest": _select_lowest}
+def _select_all(pos, pos_penalty, neg, n_pos_keep, n_neg_keep, generator):
+    """No RoC (plain GRPO, an ablation): every rollout of the group, so keep must be 2G."""
+    if (n_pos_keep, n_neg_keep) != (len(pos), len(neg)):
+        raise ValueError(f"RoC mode off keeps every rollout: keep must be {len(pos) + len(neg)}")
+    return pos + neg
+
+
+ROC_SELECTORS = {"sample": _select_sample, "lowest": _select_lowest, "off": _select_all}
 
 
 def resample_on_correct(rewards, penalties, keep: int, mode: str = "sample", generator=None) -> list[int]:
@@ -150,7 +148,7 @@ def resample_on_correct(rewards, penalties, keep: int, mode: str = "sample", gen
 
     rewards: (2G,) 0/1 list or tensor; a rollout is positive when its reward is > 0.
     penalties: (2G,) p_total per rollout (only the positives' are used). generator: torch.Generator for mode="sample".
-    mode: a key of ROC_SELECTORS ("sample": report; "lowest": public code).
+    mode: a key of ROC_SELECTORS ("sample": report; "lowest": public code; "off": all of them, keep = 2G).
     """
     if mode not in ROC_SELECTORS:
         raise ValueError(f"unknown RoC mode {mode!r}; valid modes: {sorted(ROC_SELECTORS)}")
@@ -227,122 +225,42 @@ def _loss_metrics(log_ratio, advantages, loss_mask, clip_low, clip_high, dual_cl
     }
 
 
-def policy_loss(logp, old_logp, advantages, loss_mask, clip_low=0.2, clip_high=0.28, num_tokens=None,
+def policy_loss(logp, old_logp, advantages, loss_mask, clip_low=0.2, clip_high=0.28, normaliser=None,
                 dual_clip=None, is_weights=None) -> tuple[torch.Tensor, dict]:
     """Token-level GRPO loss (DAPO-style aggregation) and its metrics.
 
     logp, old_logp: (N, T) log-probs of the sampled tokens under the current / the rollout policy.
     advantages: (N,). loss_mask: (N, T), 1 on tokens the policy sampled, 0 on prompt, tool output and padding.
-    num_tokens: unmasked tokens in the whole optimizer step (all micro-batches, all ranks); None -> this mask's sum.
+    normaliser: unmasked tokens in the whole optimizer step (all micro-batches, all ranks); None -> this mask's sum.
       Then the gradients of all micro-batches and ranks, summed, equal the one-big-batch gradient (DDP averages
       over ranks instead of summing, so a DDP caller multiplies this loss by the world size).
-    is_weights: (N, T) weights of a mismatch correction (`truncated_is_weights`, `sequence_mask_weights`), each
-      multiplying its token's loss; the normaliser stays the same. None: no correction (the report's loss).
+    is_weights: (N, T) weights of a mismatch correction (mismatch.py: `truncated_is_weights`,
+      `sequence_mask_weights`), each multiplying its token's loss; the normaliser stays the same. None: no
+      correction (the report's loss).
     Returns (scalar loss, {"clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean", "approx_kl"}).
     """
     token_loss, log_ratio = _token_loss(logp, old_logp, advantages, loss_mask, clip_low, clip_high, dual_clip,
                                         is_weights)
-    denominator = max(float(loss_mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
+    denominator = max(float(loss_mask.sum()) if normaliser is None else float(normaliser), 1.0)
     # L = sum_{i,t} mask_it * l_it / num_tokens
     loss = token_loss.sum() / denominator
     return loss, _loss_metrics(log_ratio, advantages, loss_mask, clip_low, clip_high, dual_clip)
 
 
 def sequence_mean_policy_loss(logp, old_logp, advantages, loss_mask, clip_low=0.2, clip_high=0.28,
-                              num_sequences=None, dual_clip=None, is_weights=None) -> tuple[torch.Tensor, dict]:
+                              normaliser=None, dual_clip=None, is_weights=None) -> tuple[torch.Tensor, dict]:
     """Original GRPO aggregation (ablation): mean over each sequence's tokens, then over sequences.
 
-    Same shapes as `policy_loss`; num_sequences: rollouts in the whole optimizer step (None -> N here).
+    Same shapes as `policy_loss`; normaliser: rollouts in the whole optimizer step (None -> N here).
     Long sequences weigh less per token than under `policy_loss`, the bias DAPO removed.
     """
     token_loss, log_ratio = _token_loss(logp, old_logp, advantages, loss_mask, clip_low, clip_high, dual_clip,
                                         is_weights)
     tokens_per_seq = loss_mask.sum(dim=1).clamp(min=1).to(token_loss.dtype)  # (N,)
-    denominator = max(token_loss.shape[0] if num_sequences is None else num_sequences, 1)
+    denominator = max(token_loss.shape[0] if normaliser is None else normaliser, 1)
     # L = sum_i [ (1/|o_i|) sum_t mask_it * l_it ] / num_sequences
     loss = (token_loss.sum(dim=1) / tokens_per_seq).sum() / denominator
     return loss, _loss_metrics(log_ratio, advantages, loss_mask, clip_low, clip_high, dual_clip)
-
-
-# ----------------------------------------------------------------------------------- engine-trainer mismatch
-# A token's ratio r_t = pi_old(x_t) / pi_sampler(x_t) outside [1/MISMATCH_RATIO_BAND, MISMATCH_RATIO_BAND] counts in
-# `ratio_outside_frac` (2: the token is twice or half as likely under one as under the other).
-MISMATCH_RATIO_BAND = 2.0
-
-
-def _mismatch_log_ratio(trainer_logp, sampler_logp, loss_mask):
-    """log r = log pi_old - log pi_sampler (N, T) in float64, 0 where loss_mask is 0 (padding, tool text)."""
-    mask = loss_mask.bool()
-    diff = trainer_logp.detach().double() - sampler_logp.detach().double()
-    return torch.where(mask, diff, torch.zeros_like(diff)), mask
-
-
-@torch.no_grad()
-def mismatch_sums(trainer_logp, sampler_logp, loss_mask) -> dict:
-    """Token-level gap between the trainer and the sampler on the tokens the sampler drew, as {name: (sum, count)}
-    (a caller adds these over micro-batches and ranks, then divides).
-
-    trainer_logp, sampler_logp: (N, T) log-probs of the same sampled tokens, after temperature, under the trainer's
-    policy before the update (pi_old) and under the sampler; loss_mask: (N, T), 1 on sampled tokens.
-    logp_abs_diff_mean: mean |log pi_old - log pi_sampler|. k3_kl: the k3 estimate of KL(sampler || trainer).
-    ratio_outside_frac: share of tokens whose ratio lies outside [1/2, 2] (MISMATCH_RATIO_BAND)."""
-    log_r, mask = _mismatch_log_ratio(trainer_logp, sampler_logp, loss_mask)
-    n = float(mask.sum())
-    clamped = log_r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    # k3_t = (r_t - 1) - log r_t, r_t = pi_old / pi_sampler on tokens drawn from the sampler: >= 0 for every token,
-    # and its mean is an unbiased estimate of KL(sampler || trainer) (Schulman 2020; verl logs it as k3_kl)
-    k3 = torch.expm1(clamped) - clamped
-    outside = (log_r.abs() > torch.log(torch.tensor(MISMATCH_RATIO_BAND, dtype=torch.float64))) & mask
-    return {"logp_abs_diff_mean": (float(log_r.abs().sum()), n), "k3_kl": (float(k3.sum()), n),
-            "ratio_outside_frac": (float(outside.sum()), n)}
-
-
-@torch.no_grad()
-def sequence_log_ratios(trainer_logp, sampler_logp, loss_mask) -> torch.Tensor:
-    """(N,) log w_i = sum_t mask_it (log pi_old - log pi_sampler): the log of each rollout's sequence-level
-    importance weight pi_old(o_i) / pi_sampler(o_i) (tool text is not the policy's, so not in it). Same shapes as
-    `mismatch_sums`."""
-    log_r, _ = _mismatch_log_ratio(trainer_logp, sampler_logp, loss_mask)
-    return log_r.sum(dim=1)
-
-
-def sequence_mismatch(log_weights) -> dict:
-    """Sequence-level gap over ALL the step's rollouts: log_weights: (N,) from `sequence_log_ratios`.
-    seq_log_ratio_max: max_i |log w_i|. seq_ess_frac: the effective sample size of the weights w_i over N,
-    (sum w)^2 / (N sum w^2) (Kong 1992), in (0, 1]: 1 when every weight is the same, 1/N when one dominates.
-    NaN for both when N = 0."""
-    log_w = torch.as_tensor(log_weights, dtype=torch.float64).flatten()
-    if log_w.numel() == 0:
-        return {"seq_log_ratio_max": float("nan"), "seq_ess_frac": float("nan")}
-    # w_i / w_max = exp(log w_i - max log w): the ratio is unchanged by a common factor and nothing overflows
-    w = torch.exp(log_w - log_w.max())
-    return {"seq_log_ratio_max": float(log_w.abs().max()),
-            "seq_ess_frac": float(w.sum() ** 2 / (log_w.numel() * (w ** 2).sum()))}
-
-
-def truncated_is_weights(trainer_logp, sampler_logp, loss_mask, cap: float = 2.0) -> torch.Tensor:
-    """Token-level truncated importance sampling (Yao et al. 2025; verl's `rollout_is: token`): the (N, T) weight
-    w_t = min(pi_old(x_t) / pi_sampler(x_t), cap) of each sampled token's loss, 0 where loss_mask is 0.
-    Same shapes as `mismatch_sums`. A weight above 1 trusts a token the sampler under-sampled more, up to `cap`."""
-    log_r, mask = _mismatch_log_ratio(trainer_logp, sampler_logp, loss_mask)
-    # w_t = min(exp(log pi_old_t - log pi_sampler_t), C)
-    w = torch.exp(log_r.clamp(max=MAX_LOG_RATIO)).clamp(max=cap)
-    return torch.where(mask, w, torch.zeros_like(w)).to(trainer_logp.dtype)
-
-
-def sequence_mask_weights(trainer_logp, sampler_logp, loss_mask, low: float = 0.999,
-                          high: float = 1.001) -> torch.Tensor:
-    """Sequence-level masking by the geometric-mean ratio (verl's geometric rejection sampling, `seq_mean_k1`):
-    rollout i keeps weight 1 on its sampled tokens when g_i = exp(mean_t log(pi_old / pi_sampler)) lies in
-    [low, high] (by default verl's geometric preset, 0.999 to 1.001), else all its tokens get 0. The mean over
-    tokens, not the sum (the log of the product), so a long rollout is not dropped for its length alone. Same shapes
-    as `mismatch_sums`; returns (N, T)."""
-    log_r, mask = _mismatch_log_ratio(trainer_logp, sampler_logp, loss_mask)
-    # log g_i = sum_t mask_it log r_it / sum_t mask_it   (a rollout without sampled tokens has g = 1)
-    log_g = log_r.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-    keep = (log_g >= torch.log(torch.tensor(low, dtype=torch.float64))) & \
-           (log_g <= torch.log(torch.tensor(high, dtype=torch.float64)))  # (N,)
-    return (mask & keep.unsqueeze(1)).to(trainer_logp.dtype)
 
 
 # ----------------------------------------------------------------------------------- demo
@@ -371,7 +289,3 @@ if __name__ == "__main__":
     loss.backward()
     print(f"loss: {loss.item():.4f}", {k: round(v, 4) for k, v in metrics.items()})
     print("grad on masked tokens is zero:", bool((logp.grad[mask == 0] == 0).all()))
-    sampler_logp = old_logp + 0.05 * torch.randn(G, T)  # an engine that rounds differently from the trainer
-    gap = {k: round(total / count, 5) for k, (total, count) in mismatch_sums(old_logp, sampler_logp, mask).items()}
-    print("gap to the sampler:", gap, sequence_mismatch(sequence_log_ratios(old_logp, sampler_logp, mask)))
-    print("tis weights, row 0:", [round(w, 3) for w in truncated_is_weights(old_logp, sampler_logp, mask)[0].tolist()])

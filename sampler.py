@@ -22,7 +22,7 @@ while the others keep generating (the report's asynchronous tool dispatch, §3, 
   iterable of (name, tensor)), between rollouts.
 - `score(token_ids)` = log softmax(logits)[token] of tokens 1..T-1, temperature 1, computed the way the sampler
   generates (its weights, its dtype, its cached keys and values). After each update the trainer compares it with
-  its own forward pass (`check_handoff`): a sampler still generating from old weights is caught, not trained on.
+  its own forward pass (handoff.py): a sampler still generating from old weights is caught, not trained on.
 
 Three implementations, in samplers/:
 - `ReferenceSampler` (samplers/reference.py): transformers' `model.generate`, one request at a time; the contract
@@ -113,61 +113,3 @@ def stop_token_ids(tokenizer, model_eos=None) -> list[int]:
     ids = [tokenizer.convert_tokens_to_ids(IM_END)]
     extra = model_eos if isinstance(model_eos, (list, tuple)) else [model_eos]
     return ids + [i for i in extra if i is not None and i not in ids]
-
-
-# ============================================================================ the weight hand-off check
-# Largest mean |log-prob gap| between a sampler and the trainer that still counts as "the same weights", by the
-# dtype a side computes in (`handoff_tolerance` takes the coarser side's). fp32: only the summation order differs. 16-bit engines round
-# weights and activations, so they sit further from an fp32 trainer (bf16 keeps 8 mantissa bits, fp16 11).
-# Measured with vLLM's CPU build on the tiny SFT model, 111-121 tokens, against an fp32 transformers forward pass:
-# mean gap fp32 8.5e-7, fp16 1.6e-3, bf16 1.4e-2 (largest single token 5.7e-6, 9.1e-3, 9.4e-2). Deeper models
-# accumulate more rounding: the 16-bit values leave 7-19x room.
-HANDOFF_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 1e-1}
-
-
-def handoff_tolerance(sampler_dtype: torch.dtype, trainer_dtype: torch.dtype) -> float:
-    """The hand-off check's tolerance: that of the coarser of the two compute dtypes. The sampler's is its weights'
-    (a bf16 engine); the trainer's is bf16 under mixed_precision=bf16 (autocast, FSDP2's bf16 parameters), whatever
-    its fp32 master weights. A stale sampler is still caught at any tolerance: `check_handoff`'s second rule."""
-    return max(HANDOFF_TOLERANCE[sampler_dtype], HANDOFF_TOLERANCE[trainer_dtype])
-HANDOFF_PROBE_TOKENS = 256  # the check's fixed sequence: the first training prompt, cut to this many tokens
-
-
-def sequence_logprobs(model, token_ids: list[int]) -> torch.Tensor:
-    """log softmax(logits_t)[token_t+1] for t = 0..T-2 from one forward pass of `model` at temperature 1: (T-1,),
-    float32 on the CPU. The model runs in eval mode and gets its training flag back."""
-    ids = torch.tensor([token_ids], device=next(model.parameters()).device)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, :-1].float()  # (T-1, V)
-    finally:
-        model.train(was_training)
-    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).cpu()
-
-
-def check_handoff(engine, trainer, tolerance: float, previous=None) -> str | None:
-    """Does a sampler hold the trainer's weights? Judged from the log-probs of one fixed token sequence.
-
-    engine, trainer: (T-1,) log-probs of tokens 1..T-1, from `sampler.score` and from the trainer's own forward pass
-    (`sequence_logprobs`). previous: the (engine, trainer) pair of the last check, or None.
-    1. gap = mean_t |engine_t - trainer_t| <= tolerance (`handoff_tolerance` of the two sides' dtypes);
-    2. if the trainer's log-probs moved since the last check, the sampler's moved too. A sampler that skipped the
-       update returns the same numbers, bit for bit, even where one step moves them by less than the tolerance
-       (lr 1e-6 seen through a bf16 engine). This would misfire only for an update that changes no weight at all
-       in the sampler's dtype.
-    Returns None when both hold, else one line saying which failed."""
-    engine = torch.as_tensor(engine, dtype=torch.float64)
-    trainer = torch.as_tensor(trainer, dtype=torch.float64)
-    if engine.shape != trainer.shape:
-        return f"the sampler scored {engine.numel()} tokens, the trainer {trainer.numel()}"
-    gap = (engine - trainer).abs().mean().item()
-    if not gap <= tolerance:  # a NaN fails too
-        return f"the sampler's log-probs differ from the trainer's by {gap:.3g} per token (tolerance {tolerance:g})"
-    if previous is not None:
-        moved = (trainer - torch.as_tensor(previous[1], dtype=torch.float64)).abs().mean().item()
-        if moved > 0 and torch.equal(engine, torch.as_tensor(previous[0], dtype=torch.float64)):
-            return (f"the trainer's log-probs moved by {moved:.3g} per token since the last hand-off and the "
-                    "sampler's did not change at all: it is still generating from the old weights")
-    return None

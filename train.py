@@ -12,7 +12,7 @@ Each step, in labelled phases (the banners in `train_step`):
   6. advantages per group of G                                      }
   7. old log-probs under the policy before the update
   8. policy update: mini-batches of micro-batches, gradient accumulation, the exact global token normaliser
-  9. hand the new weights to the sampler, and verify they arrived (log-probs of a fixed sequence, both sides)
+  9. hand the new weights to the sampler, and verify they arrived (log-probs of a fixed sequence; handoff.py)
  10. log (metrics.jsonl, tqdm, trackers) and checkpoint
 A stage is one invocation; the multi-stage recipe is a sequence of them (configs/*/stage{1,2,3}.yaml), each starting
 from the previous stage's `model/`. Stage 3's data is the problems the stage-2 policy did not solve k of k times
@@ -44,8 +44,8 @@ import torch
 from tqdm import tqdm
 
 import accel
-from checkpoint import (begin_run, input_dtype, latest_checkpoint, load_checkpoint, resume_point, run_identity,
-                        save_checkpoint, save_model)
+from checkpoint import (begin_run, input_dtype, latest_checkpoint, load_checkpoint, load_optimizer, optimizer_file,
+                        resume_point, run_identity, save_checkpoint, save_model)
 from code_tool import ERROR_FORMATS, CodeTool, SandboxError, announce, choose_sandbox
 from config import check_ranges, format_config, parse_cli, save_config, tracker_config
 from data import check_model_path, load_pretrained, load_problems
@@ -53,13 +53,13 @@ from samplers.hf import HFSampler
 from logprobs import sampled_logprobs
 from tools.memory_plan import engine_lines, memory_lines
 from tools.plots import plot_curves
-from grpo_roc import (drop_equal_groups, group_advantages, mismatch_sums, penalty_total, policy_loss,
-                      resample_on_correct, sequence_log_ratios, sequence_mask_weights, sequence_mean_policy_loss,
-                      sequence_mismatch, truncated_is_weights)
+import handoff
+from grpo_roc import (ROC_SELECTORS, drop_equal_groups, group_advantages, penalty_total, policy_loss,
+                      resample_on_correct, sequence_mean_policy_loss)
+from mismatch import mismatch_sums, sequence_log_ratios, sequence_mask_weights, sequence_mismatch, truncated_is_weights
 from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of, encode
 from reward import check_many, default_pool, extract_answer
 from rollout import rollout, rollout_sums
-from sampler import HANDOFF_PROBE_TOKENS, check_handoff, handoff_tolerance, sequence_logprobs
 from samplers.vllm_engine import VLLMSampler
 
 USAGE = """One RL stage with GRPO-RoC.
@@ -69,6 +69,325 @@ USAGE = """One RL stage with GRPO-RoC.
   accelerate launch --config_file configs/accelerate/fsdp_1node_8gpu.yaml train.py configs/qwen3-14b/stage1.yaml"""
 
 
+# ============================================================================ one RL step (phases 1-9)
+def train_step(step: int, cfg: "TrainConfig", run) -> dict:
+    """Phases 1-9 for one step on this rank; returns {name: (sum, count)} to be reduced over ranks."""
+    acc, K = run.accelerator, cfg.rollouts_per_prompt
+    t0 = time.perf_counter()
+    # ---------------------------------------------------------------- 1. sample B prompts (this rank's share)
+    share = rank_share(prompt_indices(step, cfg.prompts_per_step, len(run.problems), cfg.seed), acc)
+    problems = [run.problems[i] for i in share]
+    # ---------------------------------------------------------------- 2. rollout: 2G per prompt
+    trajs = rollout([p["problem"] for p in problems for _ in range(K)], run.sampler, run.tool, run.tokenizer,
+                    run.fmt, max_response_tokens=cfg.max_response_tokens, max_turns=cfg.max_turns,
+                    temperature=cfg.temperature, top_p=cfg.top_p, sync_turns=cfg.sync_turns,
+                    progress=acc.is_local_main_process)
+    t_rollout = time.perf_counter() - t0
+    # ---------------------------------------------------------------- 3. reward: 0/1 on the final answer
+    golds = [problems[i // K]["answer"] for i in range(len(trajs))]
+    verdicts = check_many([extract_answer(t.text) for t in trajs], golds)
+    rewards = [float(v.correct) for v in verdicts]
+    for t, r in zip(trajs, rewards):
+        t.reward = r
+    # ---------------------------------------------------------------- 4-5. drop equal groups, Resample-on-Correct
+    grouped = [rewards[g * K:(g + 1) * K] for g in range(len(problems))]
+    penalties = [[penalty_total(t.num_tool_calls, t.num_failed_tool_calls, t.num_answer_blocks, t.num_turns)
+                  for t in trajs[g * K:(g + 1) * K]] for g in range(len(problems))]
+    first = acc.process_index * len(problems)  # global position of this rank's first group in the step
+    gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 10_007 + first + g)
+            for g in range(len(problems))]
+    groups, kept_idx = select_rollouts(grouped, penalties, cfg.group_size, cfg.roc_mode, gens)
+    kept = [trajs[g * K + i] for g, idx in zip(groups, kept_idx) for i in idx]
+    # ---------------------------------------------------------------- 6. advantages per kept group
+    # A_i = (r_i - mean_group) / (std_group + 1e-6), unbiased std, every token of rollout i gets A_i
+    kept_rewards = torch.tensor([t.reward for t in kept], dtype=torch.float)
+    adv = group_advantages(kept_rewards, len(kept_idx[0])).tolist() if kept else []
+    # ---------------------------------------------------------------- 7-8. old log-probs, policy update
+    t1 = time.perf_counter()
+    if hasattr(run.sampler, "sleep"):
+        run.sampler.sleep()  # colocated vLLM: free the GPU memory of its weights and KV cache for the update
+    lr = run.scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
+    minibatch = step_minibatches(acc, {first + g: len(idx) for g, idx in zip(groups, kept_idx)}, cfg)
+    sums = {k if "/" in k else f"loss/{k}": v for k, v in update_policy(
+        acc, run.model, run.optimizer, run.scheduler, list(zip(kept, adv, minibatch)), trajs[0], cfg,
+        run.pad_id).items()}
+    t_update = time.perf_counter() - t1
+    # ---------------------------------------------------------------- 9. hand the new weights to the sampler
+    run.handoff_check = handoff.sync(acc, run.model, run.sampler, run.probe, f"after step {step + 1}",
+                                     run.handoff_check)
+    # ---------------------------------------------------------------- statistics for the log
+    sums.update({f"rollout/{k}": v for k, v in rollout_sums(trajs, rewards).items()})
+    kept_pos = [t for t in kept if t.reward > 0]
+    sampled = sum(sum(t.loss_mask) for t in trajs)
+    sums.update({
+        "roc/equal_group_frac": (len(problems) - len(groups), len(problems)),
+        "roc/pos_kept_mean": (len(kept_pos), len(groups)),
+        "roc/neg_kept_mean": (len(kept) - len(kept_pos), len(groups)),
+        "roc/tool_error_rate_in_correct": (sum(t.num_failed_tool_calls for t in kept_pos),
+                                           sum(t.num_tool_calls for t in kept_pos)),
+        "perf/tokens_per_s": (sampled, t_rollout),
+        "perf/rollout_s": (t_rollout, 1.0),
+        "perf/update_s": (t_update, 1.0),
+        "perf/step_s": (time.perf_counter() - t0, 1.0),
+        "loss/lr": (lr, 1.0),
+        "reward/timeouts": (sum(v.timed_out for v in verdicts), 1.0 / acc.num_processes),
+    })
+    return sums
+
+
+# ============================================================================ the policy update (phases 7-8)
+# Loss aggregation, for ablations: config string -> (loss function, what its `normaliser` counts over the whole
+# mini-batch, a key of `global_counts`), picked at update_policy's one call site.
+LOSSES = {"token": (policy_loss, "tokens"), "sequence": (sequence_mean_policy_loss, "sequences")}
+# Mismatch corrections (mismatch.py): config -> the per-token loss weights; None: no correction (the report's loss).
+CORRECTIONS = {
+    "off": lambda cfg: None,
+    "tis": lambda cfg: partial(truncated_is_weights, cap=cfg.mismatch_tis_cap),
+    "seq_mask": lambda cfg: partial(sequence_mask_weights, low=cfg.mismatch_seq_low, high=cfg.mismatch_seq_high),
+}
+
+
+def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, cfg, pad_id: int) -> dict:
+    """Phases 7-8 on this rank's kept [(trajectory, advantage, mini-batch index)] (`minibatch_of`). Returns metrics
+    as {name: (sum, count)}: the loss's, and the sampler-trainer gap on the kept rollouts' sampled tokens
+    (`mismatch/*`, from the old log-probs the update computes anyway)."""
+    world = accelerator.num_processes
+    loss_fn, counted = LOSSES[cfg.loss_agg]
+    correction = CORRECTIONS[cfg.mismatch_correction](cfg)
+    minibatches = rank_micro_batches(accelerator, kept, dummy, cfg.updates_per_step, cfg.micro_batch_size, pad_id)
+    measured = all("sampler_logp" in batch for micro in minibatches for batch, _, _ in micro)  # the gap is measured
+    if correction and not measured:
+        raise SystemExit(f"config error: mismatch_correction={cfg.mismatch_correction} needs the sampler's "
+                         "log-probs, and this sampler gives none")
+    # Phase 7: old log-probs under the policy before this step's first update.
+    old = old_logprobs(model, minibatches, cfg.temperature)
+    # Phase 8: `updates_per_step` optimizer steps (mini-batches), each accumulating its micro-batches.
+    sums, seq_log_ratios = {}, []
+    for micro, micro_old in zip(minibatches, old):
+        # The normaliser, over ALL ranks and micro-batches of this mini-batch: unmasked tokens (token-level loss)
+        # or sequences (sequence-mean ablation).
+        normaliser = global_counts(accelerator, micro)[counted]
+        loss_sum = 0.0
+        for j, ((batch, adv, n), old_logp) in enumerate(zip(micro, micro_old)):
+            with gradient_sync(accelerator, model, last=j == len(micro) - 1):
+                logp = token_logprobs(model, batch, cfg.temperature)
+                old_logp = logp.detach() if old_logp is None else old_logp
+                weights = correction(old_logp, batch.get("sampler_logp"), batch["loss_mask"]) if correction else None
+                loss, metrics = loss_fn(logp, old_logp, adv, batch["loss_mask"], clip_low=cfg.clip_low,
+                                        clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, is_weights=weights,
+                                        normaliser=normaliser)
+                # x world: DDP/FSDP average gradients over ranks, and the normaliser already counts every rank.
+                accelerator.backward(loss * world)
+            loss_sum += loss.item()
+            add_micro_batch_metrics(sums, seq_log_ratios, metrics, batch, n, old_logp, weights, measured)
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        check_finite(accelerator, loss_sum, grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        # Each rank adds its share; reduce_sums divides the global sum by updates_per_step.
+        _add(sums, "policy", loss_sum, 1.0 / world)
+        _add(sums, "grad_norm", float(accel.full(grad_norm)) / world, 1.0 / world)
+    if measured:  # the sequence-level gap over every rank's kept rollouts: the same numbers on every rank
+        add_sequence_mismatch(sums, seq_log_ratios)
+    return sums
+
+
+def rank_micro_batches(accelerator, kept: list, dummy, updates: int, size: int, pad_id: int) -> list[list[tuple]]:
+    """This rank's micro-batches of each mini-batch, on its device: [[(batch, advantages (n,), n)]], n the rollouts
+    in it (0 for the mask-0 filler of `make_batch`)."""
+    # Within each mini-batch, micro-batches of similar length: each is padded to its longest sequence (one
+    # truncated rollout would otherwise pad a whole micro-batch to the budget). The loss sums over the
+    # mini-batch's tokens, so the order inside it changes nothing.
+    mine = [sorted([(t, a) for t, a, m in kept if m == u], key=lambda item: len(item[0].prompt_ids)
+                   + len(item[0].response_ids)) for u in range(updates)]
+    # Every rank runs the same number of micro-batches in each mini-batch (the most any rank needs; the first
+    # mini-batch at least one, so a step whose groups were all dropped still steps AdamW as it always has).
+    counts = all_max(accelerator, [math.ceil(len(m) / size) for m in mine])
+    counts[0] = max(counts[0], 1)
+    return [[(*to_device(make_batch(chunk, dummy, pad_id), accelerator.device), len(chunk))
+             for chunk in micro_batches(m, size, int(count))] for m, count in zip(mine, counts)]
+
+
+def old_logprobs(model, minibatches: list[list[tuple]], temperature: float) -> list[list]:
+    """Phase 7: each micro-batch's (n, L-1) log-probs under the policy before this step's first update. The first
+    mini-batch's are the log-probs its own forward computes (nothing has changed the policy yet), so only later
+    mini-batches need a forward of their own now (None: take them from the update's forward)."""
+    model.eval()
+    with torch.no_grad():
+        old = [[None if u == 0 else token_logprobs(model, batch, temperature) for batch, _, _ in micro]
+               for u, micro in enumerate(minibatches)]
+    model.train()
+    return old
+
+
+def global_counts(accelerator, micro: list[tuple]) -> dict:
+    """What a loss's normaliser counts, summed over ALL ranks' micro-batches of one mini-batch: the unmasked
+    tokens and the sequences (rollouts, not the mask-0 filler)."""
+    tokens, sequences = all_sum(accelerator, [sum(batch["loss_mask"].sum().item() for batch, _, _ in micro),
+                                              sum(n for _, _, n in micro)])
+    return {"tokens": tokens, "sequences": sequences}
+
+
+def gradient_sync(accelerator, model, last: bool):
+    """The context of one micro-batch's backward: gradients synced over ranks at the mini-batch's last one, held
+    back before it (`no_sync`). Under FSDP, skipping the sync would keep a whole unsharded gradient on every GPU
+    until the last micro-batch; instead each micro-batch's gradient is reduce-scattered into the shards as it comes."""
+    return contextlib.nullcontext() if last or accel.is_sharded(model) else accelerator.no_sync(model)
+
+
+def add_micro_batch_metrics(sums: dict, seq_log_ratios: list, metrics: dict, batch: dict, n: int, old_logp,
+                            weights, measured: bool) -> None:
+    """One micro-batch's share of the update's metrics: the loss's, weighted by its sampled tokens; when the sampler
+    gave log-probs, the gap on the tokens this loss sees (the kept rollouts' sampled tokens) and each rollout's
+    sequence log-ratio (appended to `seq_log_ratios`); the correction's mean weight on the sampled tokens."""
+    w = batch["loss_mask"].sum().item()
+    for k, v in metrics.items():
+        _add(sums, k, v * w, w)
+    if measured:
+        for k, (total, count) in mismatch_sums(old_logp, batch["sampler_logp"], batch["loss_mask"]).items():
+            _add(sums, f"mismatch/{k}", total, count)
+        log_w = sequence_log_ratios(old_logp, batch["sampler_logp"], batch["loss_mask"])
+        seq_log_ratios.extend(log_w[:n].tolist())  # not the mask-0 filler of an empty chunk
+    if weights is not None:
+        _add(sums, "mismatch/correction_weight_mean", float((weights * batch["loss_mask"]).sum()), w)
+
+
+def add_sequence_mismatch(sums: dict, seq_log_ratios: list) -> None:
+    """The sequence-level gap (`sequence_mismatch`) over every rank's kept rollouts, the same on every rank."""
+    from accelerate.utils import gather_object  # every rank's list, concatenated (a no-op on one process)
+    for k, v in sequence_mismatch(gather_object(seq_log_ratios)).items():
+        _add(sums, f"mismatch/{k}", v, 1.0)
+
+
+def check_finite(accelerator, loss_sum: float, grad_norm) -> None:
+    """A NaN or infinite loss stops the run before it reaches the weights; summed over ranks, so all stop together."""
+    if all_sum(accelerator, [float(not (math.isfinite(loss_sum) and math.isfinite(float(grad_norm))))])[0]:
+        raise FloatingPointError(f"the loss ({loss_sum}) or gradient norm ({float(grad_norm)}) is not finite")
+
+
+def step_minibatches(accelerator, kept_counts: dict[int, int], cfg: "TrainConfig") -> list[int]:
+    """The mini-batch of each of this rank's kept rollouts, in order. kept_counts: {global group position: rollouts
+    kept} for this rank's groups with signal; every group's count over the whole step (summed over ranks) goes to
+    `minibatch_of`, so the cut does not depend on how many ranks share the step."""
+    per_group = [0] * cfg.prompts_per_step
+    for g, k in kept_counts.items():
+        per_group[g] = k
+    every = minibatch_of([int(k) for k in all_sum(accelerator, per_group)], cfg.updates_per_step,
+                         cfg.micro_batch_size)
+    return [m for g in kept_counts for m in every[g]]
+
+
+# ============================================================================ pure helpers of the step
+def prompt_indices(step: int, per_step: int, n_data: int, seed: int) -> list[int]:
+    """Indices of the prompts of a step: a fresh seeded permutation per data epoch, consumed in order, so the
+    position is a pure function of the step (resume at any step, epoch boundaries included, skips nothing)."""
+    out, start = [], step * per_step
+    for i in range(start, start + per_step):
+        epoch, offset = divmod(i, n_data)
+        perm = torch.randperm(n_data, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        out.append(int(perm[offset]))
+    return out
+
+
+def select_rollouts(rewards: list[list[float]], penalties: list[list[float]], keep: int, mode: str,
+                    generators: list) -> tuple[list[int], list[list[int]]]:
+    """Phases 4-5 for one rank: groups with signal, and for each of them the indices of the rollouts kept.
+    generators: one torch.Generator per group (seeded by the group's global position, so the choice does not
+    depend on how many ranks share the step)."""
+    groups = drop_equal_groups(rewards)
+    return groups, [resample_on_correct(rewards[g], penalties[g], keep, mode=mode, generator=generators[g])
+                    for g in groups]
+
+
+def minibatch_of(kept_per_group: list[int], updates: int, size: int) -> list[list[int]]:
+    """The mini-batch (optimizer step) of each kept rollout, given how many each group of the step kept, in the
+    step's group order: those rollouts, in that order, are cut into `updates` runs of whole micro-batches of `size`
+    (the last runs may be short or empty). A function of the whole step only, so each optimizer step sees the same
+    rollouts whatever the number of ranks and wherever a group was rolled out."""
+    n = sum(kept_per_group)
+    span = max(1, math.ceil(math.ceil(n / size) / updates)) * size  # rollouts per mini-batch
+    out, position = [], 0
+    for k in kept_per_group:
+        out.append([(position + i) // span for i in range(k)])
+        position += k
+    return out
+
+
+def micro_batches(items: list, size: int, count: int) -> list[list]:
+    """Split `items` into exactly `count` chunks of at most `size` (trailing chunks may be empty)."""
+    chunks = [items[i:i + size] for i in range(0, len(items), size)]
+    return chunks + [[] for _ in range(count - len(chunks))]
+
+
+def make_batch(chunk: list, dummy, pad_id: int) -> tuple[dict, torch.Tensor]:
+    """(batch, advantages (n,)) for a chunk of (trajectory, advantage); an empty chunk becomes one mask-0 copy of
+    `dummy`, so a rank with nothing left to train on still joins every collective."""
+    trajs = [t for t, _ in chunk] or [dummy]
+    batch = pad_batch(trajs, pad_id)
+    if (logp := sampler_logprobs(trajs, batch["loss_mask"].shape[1])) is not None:
+        batch["sampler_logp"] = logp
+    if chunk:
+        return batch, torch.tensor([a for _, a in chunk], dtype=torch.float)
+    batch["loss_mask"].zero_()
+    return batch, torch.zeros(1)
+
+
+def pad_batch(trajs, pad_id: int) -> dict:
+    """Right-padded tensors for a micro-batch of n trajectories.
+    input_ids, attention_mask: (n, L) with L = longest prompt + response; loss_mask: (n, L-1), aligned with the
+    next-token targets input_ids[:, 1:], 1 exactly where the target is a token the policy sampled."""
+    seqs = [t.prompt_ids + t.response_ids for t in trajs]
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(trajs), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(trajs), L), dtype=torch.long)
+    mask = torch.zeros((len(trajs), L - 1))
+    for i, (t, s) in enumerate(zip(trajs, seqs)):
+        ids[i, :len(s)] = torch.tensor(s)
+        attn[i, :len(s)] = 1
+        p = len(t.prompt_ids)
+        mask[i, p - 1:p - 1 + len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.float)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+
+
+def sampler_logprobs(trajs, width: int) -> torch.Tensor | None:
+    """The sampler's log-probs (Trajectory.logprobs, after temperature) in pad_batch's (n, width = L-1) layout,
+    aligned with loss_mask; 0 on prompt, tool text (the sampler drew none of it) and padding. None when a
+    trajectory carries none (a sampler that gives no log-probs)."""
+    if any(getattr(t, "logprobs", None) is None for t in trajs):
+        return None
+    out = torch.zeros((len(trajs), width))
+    for i, t in enumerate(trajs):
+        p = len(t.prompt_ids)
+        out[i, p - 1:p - 1 + len(t.logprobs)] = torch.tensor(t.logprobs, dtype=torch.float)
+    return out
+
+
+def token_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+    """log pi(x_t | x_<t) of every next token: (n, L-1), fp32. Logits are divided by the sampling temperature so the
+    numbers are those of the distribution the rollouts were drawn from (verl does the same). Computed in chunks of
+    positions (logprobs.py): no fp32 log-softmax over the vocabulary is kept, only the logits."""
+    ids = batch["input_ids"]
+    logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits  # (n, L, V)
+    # position t predicts token t+1; the last position's target (the first token, rolled over) is cut off below
+    targets = torch.roll(ids, -1, dims=1)
+    logp = sampled_logprobs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), temperature)
+    return logp.view(ids.shape)[:, :-1]
+
+
+def to_device(item: tuple[dict, torch.Tensor], device) -> tuple[dict, torch.Tensor]:
+    """A (batch, advantages) pair from make_batch, on the model's device."""
+    batch, adv = item
+    return {k: v.to(device) for k, v in batch.items()}, adv.to(device)
+
+
+def _add(sums: dict, key: str, value: float, count: float) -> None:
+    s = sums.setdefault(key, [0.0, 0.0])
+    s[0] += value
+    s[1] += count
+
+
+# ============================================================================ configuration
 @dataclass
 class TrainConfig:
     # --- run
@@ -172,6 +491,7 @@ RANGES = {
     "process_group_timeout_s": "> 0",
 }
 
+
 # Keys that may differ from the checkpoint's config on resume without `resume_allow_changes`: they change no number
 # the run computes (printing, trackers, checkpoint cadence, threads and tool workers, the vLLM memory share). Any other
 # change (steps, batch shapes, data, lr, seeds, budgets) is refused unless named in resume_allow_changes.
@@ -181,11 +501,10 @@ RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "dry_run", "world_si
                "vllm_gpu_memory_utilization", "process_group_timeout_s"}
 
 
-# ============================================================================ plain helpers (no rank logic here)
 def validate(cfg: TrainConfig, world: int) -> None:
     """Config errors that need no files, raised before any work."""
     problems = check_ranges(cfg, RANGES)
-    if cfg.roc_mode not in ("sample", "lowest", "off"):
+    if cfg.roc_mode not in ROC_SELECTORS:
         problems.append(f"roc_mode must be sample, lowest or off, got {cfg.roc_mode!r}")
     if cfg.roc_mode == "off" and cfg.group_size != cfg.rollouts_per_prompt:
         problems.append("roc_mode=off keeps every rollout: set group_size == rollouts_per_prompt")
@@ -228,81 +547,6 @@ def check_inputs(cfg: TrainConfig, tokenizer, fmt, problems: list[dict]) -> None
                              f"{cfg.max_prompt_tokens}")
 
 
-def prompt_indices(step: int, per_step: int, n_data: int, seed: int) -> list[int]:
-    """Indices of the prompts of a step: a fresh seeded permutation per data epoch, consumed in order, so the
-    position is a pure function of the step (resume at any step, epoch boundaries included, skips nothing)."""
-    out, start = [], step * per_step
-    for i in range(start, start + per_step):
-        epoch, offset = divmod(i, n_data)
-        perm = torch.randperm(n_data, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        out.append(int(perm[offset]))
-    return out
-
-
-def select_rollouts(rewards: list[list[float]], penalties: list[list[float]], keep: int, mode: str,
-                    generators: list) -> tuple[list[int], list[list[int]]]:
-    """Phases 4-5 for one rank: groups with signal, and for each of them the indices of the rollouts kept.
-    generators: one torch.Generator per group (seeded by the group's global position, so the choice does not
-    depend on how many ranks share the step)."""
-    groups = drop_equal_groups(rewards)
-    if mode == "off":
-        return groups, [list(range(len(rewards[g]))) for g in groups]
-    return groups, [resample_on_correct(rewards[g], penalties[g], keep, mode=mode, generator=generators[g])
-                    for g in groups]
-
-
-def pad_batch(trajs, pad_id: int) -> dict:
-    """Right-padded tensors for a micro-batch of n trajectories.
-    input_ids, attention_mask: (n, L) with L = longest prompt + response; loss_mask: (n, L-1), aligned with the
-    next-token targets input_ids[:, 1:], 1 exactly where the target is a token the policy sampled."""
-    seqs = [t.prompt_ids + t.response_ids for t in trajs]
-    L = max(len(s) for s in seqs)
-    ids = torch.full((len(trajs), L), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(trajs), L), dtype=torch.long)
-    mask = torch.zeros((len(trajs), L - 1))
-    for i, (t, s) in enumerate(zip(trajs, seqs)):
-        ids[i, :len(s)] = torch.tensor(s)
-        attn[i, :len(s)] = 1
-        p = len(t.prompt_ids)
-        mask[i, p - 1:p - 1 + len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.float)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
-
-
-def sampler_logprobs(trajs, width: int) -> torch.Tensor | None:
-    """The sampler's log-probs (Trajectory.logprobs, after temperature) in pad_batch's (n, width = L-1) layout,
-    aligned with loss_mask; 0 on prompt, tool text (the sampler drew none of it) and padding. None when a
-    trajectory carries none (a sampler that gives no log-probs)."""
-    if any(getattr(t, "logprobs", None) is None for t in trajs):
-        return None
-    out = torch.zeros((len(trajs), width))
-    for i, t in enumerate(trajs):
-        p = len(t.prompt_ids)
-        out[i, p - 1:p - 1 + len(t.logprobs)] = torch.tensor(t.logprobs, dtype=torch.float)
-    return out
-
-
-def token_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
-    """log pi(x_t | x_<t) of every next token: (n, L-1), fp32. Logits are divided by the sampling temperature so the
-    numbers are those of the distribution the rollouts were drawn from (verl does the same). Computed in chunks of
-    positions (logprobs.py): no fp32 log-softmax over the vocabulary is kept, only the logits."""
-    ids = batch["input_ids"]
-    logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits  # (n, L, V)
-    # position t predicts token t+1; the last position's target (the first token, rolled over) is cut off below
-    targets = torch.roll(ids, -1, dims=1)
-    logp = sampled_logprobs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), temperature)
-    return logp.view(ids.shape)[:, :-1]
-
-
-# Loss aggregation for ablations: one string picks the function, at this one call site.
-LOSSES = {"token": policy_loss, "sequence": sequence_mean_policy_loss}
-# Mismatch corrections (grpo_roc.py): config -> the per-token loss weights; None: no correction (the report's loss).
-CORRECTIONS = {
-    "off": lambda cfg: None,
-    "tis": lambda cfg: partial(truncated_is_weights, cap=cfg.mismatch_tis_cap),
-    "seq_mask": lambda cfg: partial(sequence_mask_weights, low=cfg.mismatch_seq_low, high=cfg.mismatch_seq_high),
-}
-
-
 # ============================================================================ distributed plumbing (the only rank logic)
 def all_sum(accelerator, values: list[float]) -> list[float]:
     """Sum a list of numbers over ranks (a no-op on one process)."""
@@ -332,265 +576,7 @@ def rank_share(items: list, accelerator) -> list:
     return items[accelerator.process_index * n:(accelerator.process_index + 1) * n]
 
 
-def is_sharded(model) -> bool:
-    """True when FSDP has split the policy's parameters over ranks (DTensors): no rank holds the whole model."""
-    from torch.distributed.tensor import DTensor
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def gathered_weights(model, device, dtype=None):
-    """(name, full tensor) for each parameter and persistent buffer, floats cast to `dtype` (the sampler's; None: as
-    stored). Under FSDP each parameter is all-gathered when it is reached (a collective: every rank iterates, in the
-    same order), its shard cast first, so a bf16 sampler halves the all-gather and what it holds. The consumer keeps
-    what it needs: vLLM's layer-wise reload holds the parts of a fused weight (q, k and v; gate and up) until their
-    layer is complete, so at most about one decoder layer exists unsharded at once, whatever the model's size (TRL
-    and verl stream FSDP weights into vLLM the same way). A tied weight is gathered once and sent under each of its
-    names: vLLM's reload loads its output layer only from `lm_head.weight` and logs a failed load without it."""
-    from torch.distributed.tensor import DTensor
-    persistent = model.state_dict().keys()  # communication-free under FSDP2: local shards
-    tied: dict[int, tuple[torch.Tensor, list[str]]] = {}  # id(tensor) -> (tensor, its names)
-    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        if name in persistent:
-            tied.setdefault(id(t), (t, []))[1].append(name.replace("_checkpoint_wrapped_module.", ""))
-    for t, names in tied.values():
-        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        if isinstance(t, DTensor):
-            t = t.to(device=device, dtype=cast).full_tensor()  # .to: parameters offloaded to CPU gather on the device
-        for name in names:
-            yield name, t.detach().to(cast)
-
-
-def sampler_policy(cfg, accelerator, model):
-    """The model HFSampler decodes with: the trainer's own object when this rank holds all of it; under FSDP a full
-    copy of its own (decoding on the sharded model would need every rank in every forward), in the checkpoint's
-    dtype, which `hand_off` fills with the trainer's weights. vLLM loads its own copy."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-    policy = accelerator.unwrap_model(model)
-    if cfg.sampler != "hf" or not is_sharded(policy):
-        return policy
-    # Built from the config, not loaded: under FSDP's low-memory loading only rank 0 reads the checkpoint.
-    config = AutoConfig.from_pretrained(cfg.model_path)
-    with torch.device(accelerator.device):
-        copy = AutoModelForCausalLM.from_config(config, torch_dtype=input_dtype(cfg.model_path))
-    copy.generation_config = GenerationConfig.from_model_config(config)
-    if (Path(cfg.model_path) / "generation_config.json").is_file():
-        copy.generation_config = GenerationConfig.from_pretrained(cfg.model_path)
-    return copy
-
-
-def hand_off(accelerator, model, sampler) -> None:
-    """Phase 9: the trainer's weights into the sampler: the module itself where this rank holds all of it, else
-    the gathered parameters, streamed."""
-    policy = accelerator.unwrap_model(model)
-    sampler.update_weights(gathered_weights(policy, accelerator.device, sampler.dtype) if is_sharded(policy)
-                           else policy)
-
-
-# ============================================================================ the policy update (phases 7-8)
-def micro_batches(items: list, size: int, count: int) -> list[list]:
-    """Split `items` into exactly `count` chunks of at most `size` (trailing chunks may be empty)."""
-    chunks = [items[i:i + size] for i in range(0, len(items), size)]
-    return chunks + [[] for _ in range(count - len(chunks))]
-
-
-def make_batch(chunk: list, dummy, pad_id: int) -> tuple[dict, torch.Tensor]:
-    """(batch, advantages (n,)) for a chunk of (trajectory, advantage); an empty chunk becomes one mask-0 copy of
-    `dummy`, so a rank with nothing left to train on still joins every collective."""
-    trajs = [t for t, _ in chunk] or [dummy]
-    batch = pad_batch(trajs, pad_id)
-    if (logp := sampler_logprobs(trajs, batch["loss_mask"].shape[1])) is not None:
-        batch["sampler_logp"] = logp
-    if chunk:
-        return batch, torch.tensor([a for _, a in chunk], dtype=torch.float)
-    batch["loss_mask"].zero_()
-    return batch, torch.zeros(1)
-
-
-def to_device(item: tuple[dict, torch.Tensor], device) -> tuple[dict, torch.Tensor]:
-    """A (batch, advantages) pair from make_batch, on the model's device."""
-    batch, adv = item
-    return {k: v.to(device) for k, v in batch.items()}, adv.to(device)
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole value of a tensor that FSDP may hand back as a DTensor (the gradient norm)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def minibatch_of(kept_per_group: list[int], updates: int, size: int) -> list[list[int]]:
-    """The mini-batch (optimizer step) of each kept rollout, given how many each group of the step kept, in the
-    step's group order: those rollouts, in that order, are cut into `updates` runs of whole micro-batches of `size`
-    (the last runs may be short or empty). A function of the whole step only, so each optimizer step sees the same
-    rollouts whatever the number of ranks and wherever a group was rolled out."""
-    n = sum(kept_per_group)
-    span = max(1, math.ceil(math.ceil(n / size) / updates)) * size  # rollouts per mini-batch
-    out, position = [], 0
-    for k in kept_per_group:
-        out.append([(position + i) // span for i in range(k)])
-        position += k
-    return out
-
-
-def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, cfg, pad_id: int) -> dict:
-    """Phases 7-8 on this rank's kept [(trajectory, advantage, mini-batch index)] (`minibatch_of`). Returns metrics
-    as {name: (sum, count)}: the loss's, and the sampler-trainer gap on the kept rollouts' sampled tokens
-    (`mismatch/*`, from the old log-probs the update computes anyway)."""
-    world, size, updates = accelerator.num_processes, cfg.micro_batch_size, cfg.updates_per_step
-    correction = CORRECTIONS[cfg.mismatch_correction](cfg)
-    # Within each mini-batch, micro-batches of similar length: each is padded to its longest sequence (one
-    # truncated rollout would otherwise pad a whole micro-batch to the budget). The loss sums over the
-    # mini-batch's tokens, so the order inside it changes nothing.
-    mine = [sorted([(t, a) for t, a, m in kept if m == u], key=lambda item: len(item[0].prompt_ids)
-                   + len(item[0].response_ids)) for u in range(updates)]
-    # Every rank runs the same number of micro-batches in each mini-batch (the most any rank needs; the first
-    # mini-batch at least one, so a step whose groups were all dropped still steps AdamW as it always has).
-    counts = all_max(accelerator, [math.ceil(len(m) / size) for m in mine])
-    counts[0] = max(counts[0], 1)
-    chunks = [c for u in range(updates) for c in micro_batches(mine[u], size, int(counts[u]))]
-    batches = [to_device(make_batch(c, dummy, pad_id), accelerator.device) for c in chunks]
-    first = [sum(counts[:u]) for u in range(updates + 1)]  # mini-batch u: micro-batches first[u]..first[u+1]-1
-    # Under FSDP, skipping the gradient sync would keep a whole unsharded gradient on every GPU until the last
-    # micro-batch; instead each micro-batch's gradient is reduce-scattered into the shards as it comes.
-    sync_each = is_sharded(model)
-    measured = all("sampler_logp" in b for b, _ in batches)  # the sampler gave log-probs: the gap is measured
-    if correction and not measured:
-        raise SystemExit(f"config error: mismatch_correction={cfg.mismatch_correction} needs the sampler's "
-                         "log-probs, and this sampler gives none")
-    # Phase 7: old log-probs under the policy before this step's first update. The first mini-batch's are the
-    # log-probs its own forward computes (nothing has changed the policy yet), so only later mini-batches need a
-    # forward of their own now (None: take them from the update's forward).
-    model.eval()
-    with torch.no_grad():
-        old = [None if i < first[1] else token_logprobs(model, b, cfg.temperature) for i, (b, _) in
-               enumerate(batches)]
-    model.train()
-    # Phase 8: `updates_per_step` optimizer steps (mini-batches), each accumulating its micro-batches.
-    sums, seq_log_ratios = {}, []
-    for u in range(updates):
-        ids = list(range(int(first[u]), int(first[u + 1])))
-        # The normaliser, over ALL ranks and micro-batches of this mini-batch: unmasked tokens (token-level loss)
-        # or sequences (sequence-mean ablation).
-        tokens, seqs = all_sum(accelerator, [sum(batches[i][0]["loss_mask"].sum().item() for i in ids),
-                                             sum(len(chunks[i]) for i in ids)])
-        norm = {"num_tokens": tokens} if cfg.loss_agg == "token" else {"num_sequences": max(seqs, 1)}
-        loss_sum = 0.0
-        for j, i in enumerate(ids):
-            (batch, adv), last = batches[i], j == len(ids) - 1
-            with contextlib.nullcontext() if last or sync_each else accelerator.no_sync(model):
-                logp = token_logprobs(model, batch, cfg.temperature)
-                old_logp = logp.detach() if old[i] is None else old[i]
-                sampler_logp = batch.get("sampler_logp")
-                weights = correction(old_logp, sampler_logp, batch["loss_mask"]) if correction else None
-                loss, metrics = LOSSES[cfg.loss_agg](logp, old_logp, adv, batch["loss_mask"], clip_low=cfg.clip_low,
-                                                     clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-                                                     is_weights=weights, **norm)
-                # x world: DDP/FSDP average gradients over ranks, and the normaliser already counts every rank.
-                accelerator.backward(loss * world)
-            loss_sum += loss.item()
-            w = batch["loss_mask"].sum().item()
-            for k, v in metrics.items():
-                _add(sums, k, v * w, w)
-            if measured:  # the gap on the tokens this loss sees: the kept rollouts' sampled tokens
-                for k, (total, count) in mismatch_sums(old_logp, sampler_logp, batch["loss_mask"]).items():
-                    _add(sums, f"mismatch/{k}", total, count)
-                log_w = sequence_log_ratios(old_logp, sampler_logp, batch["loss_mask"])
-                seq_log_ratios += log_w[:len(chunks[i])].tolist()  # not the mask-0 filler of an empty chunk
-            if weights is not None:  # what the correction did: its mean weight on the sampled tokens
-                _add(sums, "mismatch/correction_weight_mean", float((weights * batch["loss_mask"]).sum()), w)
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        # A NaN or infinite loss stops the run before it reaches the weights; summed over ranks, so all stop together.
-        if all_sum(accelerator, [float(not (math.isfinite(loss_sum) and math.isfinite(float(grad_norm))))])[0]:
-            raise FloatingPointError(f"the loss ({loss_sum}) or gradient norm ({float(grad_norm)}) is not finite")
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        # Each rank adds its share; reduce_sums divides the global sum by updates_per_step.
-        _add(sums, "policy", loss_sum, 1.0 / world)
-        _add(sums, "grad_norm", float(full(grad_norm)) / world, 1.0 / world)
-    if measured:  # the sequence-level gap over every rank's kept rollouts: the same numbers on every rank
-        from accelerate.utils import gather_object  # every rank's list, concatenated (a no-op on one process)
-        for k, v in sequence_mismatch(gather_object(seq_log_ratios)).items():
-            _add(sums, f"mismatch/{k}", v, 1.0)
-    return sums
-
-
-def _add(sums: dict, key: str, value: float, count: float) -> None:
-    s = sums.setdefault(key, [0.0, 0.0])
-    s[0] += value
-    s[1] += count
-
-
-# ============================================================================ one RL step
-def train_step(step: int, cfg: TrainConfig, run) -> dict:
-    """Phases 1-9 for one step on this rank; returns {name: (sum, count)} to be reduced over ranks."""
-    acc, K = run.accelerator, cfg.rollouts_per_prompt
-    t0 = time.perf_counter()
-    # ---------------------------------------------------------------- 1. sample B prompts (this rank's share)
-    share = rank_share(prompt_indices(step, cfg.prompts_per_step, len(run.problems), cfg.seed), acc)
-    problems = [run.problems[i] for i in share]
-    # ---------------------------------------------------------------- 2. rollout: 2G per prompt
-    trajs = rollout([p["problem"] for p in problems for _ in range(K)], run.sampler, run.tool, run.tokenizer,
-                    run.fmt, max_response_tokens=cfg.max_response_tokens, max_turns=cfg.max_turns,
-                    temperature=cfg.temperature, top_p=cfg.top_p, sync_turns=cfg.sync_turns,
-                    progress=acc.is_local_main_process)
-    t_rollout = time.perf_counter() - t0
-    # ---------------------------------------------------------------- 3. reward: 0/1 on the final answer
-    golds = [problems[i // K]["answer"] for i in range(len(trajs))]
-    verdicts = check_many([extract_answer(t.text) for t in trajs], golds)
-    rewards = [float(v.correct) for v in verdicts]
-    for t, r in zip(trajs, rewards):
-        t.reward = r
-    # ---------------------------------------------------------------- 4-5. drop equal groups, Resample-on-Correct
-    grouped = [rewards[g * K:(g + 1) * K] for g in range(len(problems))]
-    penalties = [[penalty_total(t.num_tool_calls, t.num_failed_tool_calls, t.num_answer_blocks, t.num_turns)
-                  for t in trajs[g * K:(g + 1) * K]] for g in range(len(problems))]
-    first = acc.process_index * len(problems)  # global position of this rank's first group in the step
-    gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 10_007 + first + g) for g in range(len(problems))]
-    groups, kept_idx = select_rollouts(grouped, penalties, cfg.group_size, cfg.roc_mode, gens)
-    kept = [trajs[g * K + i] for g, idx in zip(groups, kept_idx) for i in idx]
-    # ---------------------------------------------------------------- 6. advantages per kept group
-    # A_i = (r_i - mean_group) / (std_group + 1e-6), unbiased std, every token of rollout i gets A_i
-    kept_rewards = torch.tensor([t.reward for t in kept], dtype=torch.float)
-    adv = group_advantages(kept_rewards, len(kept_idx[0])).tolist() if kept else []
-    # ---------------------------------------------------------------- 7-8. old log-probs, policy update
-    t1 = time.perf_counter()
-    if hasattr(run.sampler, "sleep"):
-        run.sampler.sleep()  # colocated vLLM: free the GPU memory of its weights and KV cache for the update
-    lr = run.scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
-    # Each kept rollout's mini-batch, from every group's kept count over the whole step (summed over ranks)
-    per_group = [0] * cfg.prompts_per_step
-    for g, idx in zip(groups, kept_idx):
-        per_group[first + g] = len(idx)
-    minibatch = [m for g, ms in enumerate(minibatch_of([int(k) for k in all_sum(acc, per_group)],
-                                                        cfg.updates_per_step, cfg.micro_batch_size))
-                 if first <= g < first + len(problems) for m in ms]
-    sums = {k if "/" in k else f"loss/{k}": v for k, v in update_policy(
-        acc, run.model, run.optimizer, run.scheduler, list(zip(kept, adv, minibatch)), trajs[0], cfg,
-        run.pad_id).items()}
-    t_update = time.perf_counter() - t1
-    # ---------------------------------------------------------------- 9. hand the new weights to the sampler
-    hand_off(acc, run.model, run.sampler)
-    run.handoff = verify_handoff(run, f"after step {step + 1}", run.handoff)
-    # ---------------------------------------------------------------- statistics for the log
-    sums.update({f"rollout/{k}": v for k, v in rollout_sums(trajs, rewards).items()})
-    kept_pos = [t for t in kept if t.reward > 0]
-    sampled = sum(sum(t.loss_mask) for t in trajs)
-    sums.update({
-        "roc/equal_group_frac": (len(problems) - len(groups), len(problems)),
-        "roc/pos_kept_mean": (len(kept_pos), len(groups)),
-        "roc/neg_kept_mean": (len(kept) - len(kept_pos), len(groups)),
-        "roc/tool_error_rate_in_correct": (sum(t.num_failed_tool_calls for t in kept_pos),
-                                           sum(t.num_tool_calls for t in kept_pos)),
-        "perf/tokens_per_s": (sampled, t_rollout),
-        "perf/rollout_s": (t_rollout, 1.0),
-        "perf/update_s": (t_update, 1.0),
-        "perf/step_s": (time.perf_counter() - t0, 1.0),
-        "loss/lr": (lr, 1.0),
-        "reward/timeouts": (sum(v.timed_out for v in verdicts), 1.0 / acc.num_processes),
-    })
-    return sums
-
-
+# ============================================================================ set-up, evaluation, logging, main
 def held_out_eval(cfg: TrainConfig, run) -> dict:
     """Accuracy and diagnostics on the held-out split (mean reward over eval_samples samples per problem)."""
     acc = run.accelerator
@@ -607,28 +593,6 @@ def held_out_eval(cfg: TrainConfig, run) -> dict:
             "eval/tool_calls_mean": stats["tool_calls_mean"], "eval/truncated_frac": stats["truncated_frac"]}
 
 
-def trainer_compute_dtype(accelerator, model) -> torch.dtype:
-    """What the trainer's forward computes in: bf16 under mixed_precision=bf16 (fp16 alike), else its weights' dtype."""
-    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}
-    return amp.get(accelerator.mixed_precision, next(model.parameters()).dtype)
-
-
-def verify_handoff(run, when: str, previous=None) -> tuple:
-    """Phase 9's check: the sampler's log-probs of the probe sequence against the trainer's own forward pass
-    (sampler.check_handoff); a sampler left with other weights stops the run with one line. Returns this check's
-    (sampler, trainer) log-probs, the `previous` of the next check."""
-    # the trainer's side through Accelerate's forward (autocast under mixed precision): as the update computes
-    pair = (torch.tensor(run.sampler.score(run.probe)),
-            sequence_logprobs(run.accelerator.unwrap_model(run.model), run.probe))
-    accel.reshard(run.model)  # free the groups the no-grad forward left gathered (norm, lm_head) before the rollout
-    tolerance = handoff_tolerance(run.sampler.dtype, trainer_compute_dtype(run.accelerator, run.model))
-    problem = check_handoff(*pair, tolerance, previous)
-    if problem:
-        raise SystemExit(f"hand-off error {when}: {problem}")
-    return pair
-
-
-# ============================================================================ set-up, logging, checkpoints
 def print_plan(cfg: TrainConfig, world: int) -> None:
     """The resolved plan, without loading a model (dry_run=true): check a 64-GPU config on a laptop."""
     validate(cfg, world)
@@ -648,34 +612,6 @@ def print_plan(cfg: TrainConfig, world: int) -> None:
         f"sampler                {cfg.sampler}; data {cfg.data}; out {cfg.out_dir}",
     ]
     print("\n".join(lines + engine_lines(cfg, world) + memory_lines(cfg, world)))  # tools/memory_plan.py
-
-
-OPTIMIZER_FILES = ("optimizer.bin", "optimizer_0")  # Accelerate's save_state: whole, or sharded (FSDP's DCP folder)
-
-
-def optimizer_file(path: str) -> Path:
-    """The AdamW state of a checkpoint folder, or of a run folder's latest checkpoint (OPTIMIZER_FILES)."""
-    folder = Path(path)
-    if not any((folder / f).exists() for f in OPTIMIZER_FILES) and (folder / "latest").is_file():
-        folder = latest_checkpoint(folder)
-    for name in OPTIMIZER_FILES:
-        if (folder / name).exists():
-            return folder / name
-    raise SystemExit(f"input error: optimizer_from={path}: no optimizer.bin or optimizer_0/ there or in its "
-                     "latest checkpoint")
-
-
-def load_optimizer(accelerator, model, optimizer, file: Path) -> None:
-    """Another run's AdamW state into the prepared optimizer: under FSDP through Accelerate's loader (each rank
-    reads its shard of a sharded checkpoint), else optimizer.bin."""
-    from accelerate.utils import DistributedType, load_fsdp_optimizer
-    if accelerator.distributed_type == DistributedType.FSDP:
-        load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(file.parent))
-    elif file.name != "optimizer.bin":
-        raise SystemExit(f"input error: optimizer_from: {file} is a sharded FSDP checkpoint; launch with an FSDP "
-                         "Accelerate config to read it")
-    else:
-        optimizer.load_state_dict(torch.load(file, weights_only=False))
 
 
 def load_data(paths: list[str]) -> list[dict]:
@@ -758,15 +694,13 @@ def setup(cfg: TrainConfig):
     if start is not None:
         step = load_checkpoint(acc, start)["step"]
         acc.print(f"resumed from {start} at step {step}")
-    sampler = make_sampler(cfg, sampler_policy(cfg, acc, model), tokenizer)
+    sampler = make_sampler(cfg, handoff.sampler_policy(cfg, acc, model), tokenizer)
     # The sampler starts from the trainer's weights (a resumed checkpoint's too), checked before any rollout.
-    hand_off(acc, model, sampler)
-    probe = encode(tokenizer, fmt.prompt(problems[0]["problem"]))[:HANDOFF_PROBE_TOKENS]
+    probe = encode(tokenizer, fmt.prompt(problems[0]["problem"]))[:handoff.HANDOFF_PROBE_TOKENS]
     run = Run(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
               tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems, probe=probe,
               pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out,
-              identity=identity)
-    run.handoff = verify_handoff(run, "at the start")
+              identity=identity, handoff_check=handoff.sync(acc, model, sampler, probe, "at the start"))
     run.tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
                         max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
                         require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)

@@ -7,7 +7,7 @@ The tiny pipeline's SFT model (`make tiny`, or its first three commands: tiny/pi
 same problems at temperature 1 with the real code tool and stage 1's budget, once per sampler: HFSampler (our decode
 loop, fp32, sharing the trainer's weights), and vLLM's CPU build in fp32 and in bf16 (eager). Each sampler's own
 rollouts are then scored by the fp32 trainer (train.token_logprobs on train.pad_batch micro-batches, as the update
-does), and the gap on the sampled tokens is measured with grpo_roc's mismatch functions: mean |log pi_old - log
+does), and the gap on the sampled tokens is measured with mismatch.py's functions: mean |log pi_old - log
 pi_sampler|, the largest such gap of one token, the k3 estimate of KL(sampler || trainer), the share of tokens whose
 ratio leaves [1/2, 2], the largest |log w| of a rollout (w: its sequence-level importance weight) and the effective
 sample size of those weights over N. The last columns say what the corrections would do to these rollouts with
@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import train  # noqa: E402
 from code_tool import CodeTool  # noqa: E402
 from data import load_problems  # noqa: E402
-from grpo_roc import mismatch_sums, sequence_log_ratios, sequence_mask_weights, sequence_mismatch  # noqa: E402
+from mismatch import mismatch_sums, sequence_log_ratios, sequence_mask_weights, sequence_mismatch  # noqa: E402
 from samplers.hf import HFSampler  # noqa: E402
 from protocol import chat_format  # noqa: E402
 from rollout import rollout  # noqa: E402

@@ -16,6 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+import accel  # noqa: E402
+import handoff  # noqa: E402
 import train  # noqa: E402
 from scripted_policy import ScriptedSampler, weights_sum  # noqa: E402
 
@@ -81,9 +83,9 @@ if __name__ == "__main__":
         import cpu_fsdp
         cpu_fsdp.enable()
     if os.environ.get("SKIP_GATHER") == "1":
-        real_hand_off = train.hand_off
-        train.hand_off = lambda acc, model, sampler: (None if train.is_sharded(acc.unwrap_model(model))
-                                                      else real_hand_off(acc, model, sampler))
+        real_hand_off = handoff.hand_off
+        handoff.hand_off = lambda acc, model, sampler: (None if accel.is_sharded(acc.unwrap_model(model))
+                                                        else real_hand_off(acc, model, sampler))
     made = []
     if os.environ.get("WATCH_GRADS") == "1":
         watch_unsharded_grads(Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1]),

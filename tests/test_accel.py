@@ -49,7 +49,7 @@ def test_accelerate_s_own_policy_would_reduce_in_bf16(tmp_path):
 
 def test_a_no_grad_forward_leaves_the_output_group_gathered_and_reshard_frees_it(tmp_path):
     """Accelerate shards the final norm and lm_head (tied: with the embedding) with reshard_after_forward=False, so a
-    no-grad forward (train.verify_handoff's) leaves them gathered in bf16 on every rank, unsharded size; the backward
+    no-grad forward (handoff.verify_handoff's) leaves them gathered in bf16 on every rank, unsharded size; the backward
     frees them, and so does accel.reshard, after which a forward gathers them again and gives the same logits."""
     done, ranks = launch("configs/accelerate/fsdp_1node_8gpu.yaml", "reshard", tmp_path, 29654, {"CPU_FSDP": "1"})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -18,7 +18,8 @@ import train
 from data import write_jsonl
 from grpo_roc import group_advantages
 from protocol import IM_END, chat_format
-from sampler import Completion, TurnSampler, sequence_logprobs
+from handoff import sequence_logprobs
+from sampler import Completion, TurnSampler
 from tiny.model import build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

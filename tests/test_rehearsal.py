@@ -191,7 +191,7 @@ def test_a_bf16_sampler_passes_the_hand_off_and_a_stale_one_is_stopped(recipe):
     """The SFT model in a bf16 sampler against the trainer's fp32 masters computing under bf16 autocast (what
     mixed_precision=bf16 does): within the tolerance of the coarser side; after one AdamW step at the report's lr
     (1e-6) the sampler that missed it is stopped by the check's second rule, the one that got it passes."""
-    from sampler import check_handoff, handoff_tolerance, sequence_logprobs
+    from handoff import check_handoff, handoff_tolerance, sequence_logprobs
     path = recipe / "sft" / "model"
     tok, fmt = AutoTokenizer.from_pretrained(path), chat_format("default")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from samplers.hf import PREFILL_FORWARD_COST, HFSampler, prefill_groups
 from protocol import IM_END
-from sampler import HANDOFF_TOLERANCE, check_handoff, sequence_logprobs
+from handoff import HANDOFF_TOLERANCE, check_handoff, sequence_logprobs
 from samplers.vllm_engine import QuietRotaryReload, VLLMSampler
 from tiny.model import build_tiny
 

@@ -171,8 +171,11 @@ def test_the_gap_bench_measures_a_known_shift_and_what_the_corrections_would_do(
     log pi_sampler = -s): mean and largest |delta| are s; tis caps a token only where r = e^-s exceeds its cap 2
     (s = -1: every token, s = 0.25: none); seq_mask drops every rollout whose geometric mean e^-s leaves [0.999,
     1.001] and none when s = 0."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import mismatch as bench
+    import importlib.util  # by its path: the name `mismatch` is the top-level module's
+    spec = importlib.util.spec_from_file_location("bench_mismatch", Path(__file__).resolve().parents[1] / "bench"
+                                                  / "mismatch.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
     model = AutoModelForCausalLM.from_pretrained(tiny / "base")
     cfg = train.TrainConfig()
     for s, capped, dropped in [(0.25, 0.0, 1.0), (-1.0, 1.0, 1.0), (0.0, 0.0, 0.0)]:
@@ -424,13 +427,13 @@ def test_the_final_model_folder_is_whole_or_absent(tiny, tmp_path, monkeypatch):
 def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny, tmp_path, monkeypatch):
     scripted(monkeypatch)
     calls = []
-    real = train.LOSSES["token"]
+    real, counted = train.LOSSES["token"]
 
     def nan_from_step_2(logp, *a, **kw):
         calls.append(1)
         loss, metrics = real(logp, *a, **kw)
         return (loss * float("nan") if len(calls) > 1 else loss), metrics  # step 1 has one micro-batch here
-    monkeypatch.setitem(train.LOSSES, "token", nan_from_step_2)
+    monkeypatch.setitem(train.LOSSES, "token", (nan_from_step_2, counted))
     out = tmp_path / "run"
     with pytest.raises(SystemExit, match="step 2: the loss .* is not finite; stopped, the last good checkpoint: "
                                          ".*checkpoint-1"):

@@ -34,11 +34,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import train  # noqa: E402
 from code_tool import CodeTool  # noqa: E402
 from data import write_jsonl  # noqa: E402
-from grpo_roc import (mismatch_sums, policy_loss, sequence_log_ratios, sequence_mask_weights,  # noqa: E402
-                      sequence_mismatch, truncated_is_weights)
+from grpo_roc import policy_loss  # noqa: E402
+from mismatch import (mismatch_sums, sequence_log_ratios, sequence_mask_weights, sequence_mismatch,  # noqa: E402
+                      truncated_is_weights)
 from protocol import IM_END, TOOL_NAME, chat_format  # noqa: E402
 from rollout import rollout  # noqa: E402
-from sampler import HANDOFF_TOLERANCE, check_handoff, sequence_logprobs  # noqa: E402
+from handoff import HANDOFF_TOLERANCE, check_handoff, sequence_logprobs  # noqa: E402
 from samplers.vllm_engine import VLLMSampler  # noqa: E402
 from sft import build_labels, collate, masked_lm_loss  # noqa: E402
 from tiny.model import build_tiny  # noqa: E402
@@ -204,9 +205,9 @@ def test_an_update_takes_effect_and_the_old_weights_bring_it_back(engine, tiny):
 def test_a_tied_output_layer_arrives_under_its_own_name_and_loads_without_a_failure(engine, tiny, caplog):
     """The tiny model ties lm_head to the embeddings, as Qwen3-0.6B does. Sent once (named_parameters skips the
     duplicate), vLLM's layer-wise reload finds nothing for its output layer and logs a failed load on every
-    hand-off; train.gathered_weights sends it under both names, and the engine holds the new weights. The rotary
+    hand-off; handoff.gathered_weights sends it under both names, and the engine holds the new weights. The rotary
     cache's own warning (no checkpoint has it) is filtered (vllm_engine.QuietRotaryReload)."""
-    import train
+    import handoff
     path, tok = tiny
     probe = prompts(tok, 1)[0]
     new = stepped(path, lr=1e-2)
@@ -214,10 +215,10 @@ def test_a_tied_output_layer_arrives_under_its_own_name_and_loads_without_a_fail
         engine.update_weights(new.named_parameters())  # what the hand-off sent before: lm_head.weight missing
     assert "ParallelLMHead: Failed to load weights" in caplog.text
     caplog.clear()
-    sent = dict(train.gathered_weights(new, "cpu", engine.dtype))
+    sent = dict(handoff.gathered_weights(new, "cpu", engine.dtype))
     assert torch.equal(sent["lm_head.weight"], sent["model.embed_tokens.weight"])
     with caplog.at_level("WARNING"):
-        engine.update_weights(train.gathered_weights(new, "cpu", engine.dtype))
+        engine.update_weights(handoff.gathered_weights(new, "cpu", engine.dtype))
     assert "Failed to load weights" not in caplog.text  # neither the output layer nor the rotary cache
     torch.testing.assert_close(torch.tensor(engine.score(probe)), sequence_logprobs(new, probe), rtol=0, atol=1e-4)
     engine.update_weights(AutoModelForCausalLM.from_pretrained(path))

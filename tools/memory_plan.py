@@ -13,7 +13,7 @@ what train.py does:
   `Accelerator.accumulate`, under which FSDP2 keeps each parameter's whole fp32 gradient between micro-batches);
 - under FSDP, the parameters being used are gathered unsharded in bf16: the embedding and output layer (Accelerate's
   FSDP2 keeps the output group gathered from the end of the forward to the backward) and two decoder layers (the one
-  computing and the one prefetched). A forward without a backward (train.verify_handoff's no-grad check) would leave
+  computing and the one prefetched). A forward without a backward (handoff.verify_handoff's no-grad check) would leave
   that output group gathered (reshard_after_forward=False; the root's too, which holds no Qwen3 parameter) through
   the whole rollout, 1.6 GB of bf16 lm_head at 14B; train.py calls `accel.reshard` after that check, which frees
   them (tests/test_accel.py shows both on CPU processes), so "while sampling" counts no gathered weights;
