@@ -723,7 +723,7 @@ def make_sampler(cfg: TrainConfig, model, tokenizer):
 
 
 # The step line shows the sampler-trainer gap (mismatch/logp_abs_diff_mean) above this: an fp32 engine's is ~1e-6
-# (rounding in another summation order), a bf16 engine's ~1e-2 (bench/mismatch.py).
+# (rounding in another summation order), a bf16 engine's ~1e-2 (bench/sampler_gap.py).
 GAP_SHOWN = 1e-3
 
 

@@ -167,15 +167,12 @@ def test_corrections_change_the_update_as_their_formulas_say(tiny):
 
 
 def test_the_gap_bench_measures_a_known_shift_and_what_the_corrections_would_do(tiny):
-    """bench/mismatch.py's table on rollouts from an engine off by a known shift s per sampled token (log pi_old -
+    """bench/sampler_gap.py's table on rollouts from an engine off by a known shift s per sampled token (log pi_old -
     log pi_sampler = -s): mean and largest |delta| are s; tis caps a token only where r = e^-s exceeds its cap 2
     (s = -1: every token, s = 0.25: none); seq_mask drops every rollout whose geometric mean e^-s leaves [0.999,
     1.001] and none when s = 0."""
-    import importlib.util  # by its path: the name `mismatch` is the top-level module's
-    spec = importlib.util.spec_from_file_location("bench_mismatch", Path(__file__).resolve().parents[1] / "bench"
-                                                  / "mismatch.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import sampler_gap as bench
     model = AutoModelForCausalLM.from_pretrained(tiny / "base")
     cfg = train.TrainConfig()
     for s, capped, dropped in [(0.25, 0.0, 1.0), (-1.0, 1.0, 1.0), (0.0, 0.0, 0.0)]:

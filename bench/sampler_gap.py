@@ -1,7 +1,7 @@
 """The sampler-trainer gap per sampler and dtype, in one run: what train.py logs as `mismatch/*` each step.
 
-    .venv-vllm/bin/python bench/mismatch.py [--model runs/tiny/sft/model --data runs/tiny/data/train_level1.jsonl]
-    .venv/bin/python bench/mismatch.py          # HFSampler only (no vLLM installed)
+    .venv-vllm/bin/python bench/sampler_gap.py [--model runs/tiny/sft/model --data runs/tiny/data/train_level1.jsonl]
+    .venv/bin/python bench/sampler_gap.py          # HFSampler only (no vLLM installed)
 
 The tiny pipeline's SFT model (`make tiny`, or its first three commands: tiny/pipeline.py's docstring) rolls out the
 same problems at temperature 1 with the real code tool and stage 1's budget, once per sampler: HFSampler (our decode
@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     if not (Path(a.model) / "config.json").is_file() or not Path(a.data).is_file():
-        raise SystemExit(f"bench/mismatch.py: {a.model} or {a.data} is missing: run the tiny pipeline's first three "
+        raise SystemExit(f"bench/sampler_gap.py: {a.model} or {a.data} is missing: run the tiny pipeline's first three "
                          "commands (tiny/pipeline.py's docstring) or `make tiny` first")
     torch.manual_seed(a.seed)
     torch.set_num_threads(1)
