@@ -35,9 +35,9 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import cpu_threads  # noqa: F401  (first: it sets OpenMP's wait policy, which is read when torch loads)
 import torch
@@ -51,26 +51,19 @@ from config import check_ranges, format_config, parse_cli, save_config, tracker_
 from data import check_model_path, load_pretrained, load_problems
 from samplers.hf import HFSampler
 from logprobs import sampled_logprobs
-from tools.memory_plan import engine_lines, memory_lines
 from tools.plots import plot_curves
 import handoff
 from grpo_roc import (ROC_SELECTORS, drop_equal_groups, group_advantages, penalty_total, policy_loss,
                       resample_on_correct, sequence_mean_policy_loss)
 from mismatch import mismatch_sums, sequence_log_ratios, sequence_mask_weights, sequence_mismatch, truncated_is_weights
-from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of, encode
+from protocol import chat_format_of, encode
 from reward import check_many, default_pool, extract_answer
 from rollout import rollout, rollout_sums
 from samplers.vllm_engine import VLLMSampler
-
-USAGE = """One RL stage with GRPO-RoC.
-  python train.py [CONFIG.yaml ...] [key=value ...]
-  python train.py configs/tiny/stage1.yaml steps=20 roc_mode=lowest
-  python train.py configs/qwen3-14b/stage1.yaml dry_run=true world_size=64      # the plan, no model loaded
-  accelerate launch --config_file configs/accelerate/fsdp_1node_8gpu.yaml train.py configs/qwen3-14b/stage1.yaml"""
-
+from train_config import RANGES, RESUME_FREE, USAGE, TrainConfig, check_inputs, plan_lines
 
 # ============================================================================ one RL step (phases 1-9)
-def train_step(step: int, cfg: "TrainConfig", run) -> dict:
+def train_step(step: int, cfg: TrainConfig, run) -> dict:
     """Phases 1-9 for one step on this rank; returns {name: (sum, count)} to be reduced over ranks."""
     acc, K = run.accelerator, cfg.rollouts_per_prompt
     t0 = time.perf_counter()
@@ -205,7 +198,7 @@ def rank_micro_batches(accelerator, kept: list, dummy, updates: int, size: int, 
     # mini-batch at least one, so a step whose groups were all dropped still steps AdamW as it always has).
     counts = all_max(accelerator, [math.ceil(len(m) / size) for m in mine])
     counts[0] = max(counts[0], 1)
-    return [[(*to_device(make_batch(chunk, dummy, pad_id), accelerator.device), len(chunk))
+    return [[(*make_batch(chunk, dummy, pad_id, accelerator.device), len(chunk))
              for chunk in micro_batches(m, size, int(count))] for m, count in zip(mine, counts)]
 
 
@@ -266,7 +259,7 @@ def check_finite(accelerator, loss_sum: float, grad_norm) -> None:
         raise FloatingPointError(f"the loss ({loss_sum}) or gradient norm ({float(grad_norm)}) is not finite")
 
 
-def step_minibatches(accelerator, kept_counts: dict[int, int], cfg: "TrainConfig") -> list[int]:
+def step_minibatches(accelerator, kept_counts: dict[int, int], cfg: TrainConfig) -> list[int]:
     """The mini-batch of each of this rank's kept rollouts, in order. kept_counts: {global group position: rollouts
     kept} for this rank's groups with signal; every group's count over the whole step (summed over ranks) goes to
     `minibatch_of`, so the cut does not depend on how many ranks share the step."""
@@ -320,17 +313,16 @@ def micro_batches(items: list, size: int, count: int) -> list[list]:
     return chunks + [[] for _ in range(count - len(chunks))]
 
 
-def make_batch(chunk: list, dummy, pad_id: int) -> tuple[dict, torch.Tensor]:
-    """(batch, advantages (n,)) for a chunk of (trajectory, advantage); an empty chunk becomes one mask-0 copy of
-    `dummy`, so a rank with nothing left to train on still joins every collective."""
+def make_batch(chunk: list, dummy, pad_id: int, device="cpu") -> tuple[dict, torch.Tensor]:
+    """(batch, advantages (n,)) on `device` for a chunk of (trajectory, advantage); an empty chunk becomes one mask-0
+    copy of `dummy`, so a rank with nothing left to train on still joins every collective."""
     trajs = [t for t, _ in chunk] or [dummy]
     batch = pad_batch(trajs, pad_id)
     if (logp := sampler_logprobs(trajs, batch["loss_mask"].shape[1])) is not None:
         batch["sampler_logp"] = logp
-    if chunk:
-        return batch, torch.tensor([a for _, a in chunk], dtype=torch.float)
-    batch["loss_mask"].zero_()
-    return batch, torch.zeros(1)
+    batch["loss_mask"] *= bool(chunk)  # all 0 for the filler
+    adv = torch.tensor([a for _, a in chunk], dtype=torch.float) if chunk else torch.zeros(1)
+    return {k: v.to(device) for k, v in batch.items()}, adv.to(device)
 
 
 def pad_batch(trajs, pad_id: int) -> dict:
@@ -375,132 +367,13 @@ def token_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
     return logp.view(ids.shape)[:, :-1]
 
 
-def to_device(item: tuple[dict, torch.Tensor], device) -> tuple[dict, torch.Tensor]:
-    """A (batch, advantages) pair from make_batch, on the model's device."""
-    batch, adv = item
-    return {k: v.to(device) for k, v in batch.items()}, adv.to(device)
-
-
 def _add(sums: dict, key: str, value: float, count: float) -> None:
     s = sums.setdefault(key, [0.0, 0.0])
     s[0] += value
     s[1] += count
 
 
-# ============================================================================ configuration
-@dataclass
-class TrainConfig:
-    # --- run
-    model_path: str = ""                  # policy to start from: the SFT model or the previous stage's model/
-    data: list[str] = field(default_factory=list)  # JSONL files with `problem` and an integer `answer`
-    out_dir: str = "runs/stage1"          # config.yaml, metrics.jsonl, checkpoints, model/, curves.png
-    stage: int = 1                        # label only (report: stages 1, 2, 3)
-    steps: int = 300                      # report: 300 / 85 / 125 steps for stages 1 / 2 / 3
-    seed: int = 0                         # the one seed; every random choice derives from it
-    resume: str = "auto"                  # auto: continue from out_dir's latest checkpoint; never: refuse one; or a path
-    resume_allow_changes: list[str] = field(default_factory=list)  # config keys that may differ from the checkpoint's
-    dry_run: bool = False                 # print the resolved plan and exit without loading a model
-    world_size: int = 0                   # for dry_run only: plan for this many processes (0: the launcher's)
-    gpus_per_node: int = 8                # for dry_run only: GPUs per node (the launch configs shard within one)
-    gpu_memory_gb: float = 150.7          # for dry_run only: one GPU's memory as its driver reports it (H200: 150.7)
-    model_shape: str = ""                 # for dry_run only, before model_path exists: qwen3-0.6b | 1.7b | 14b
-    # --- GRPO-RoC (report §2)
-    prompts_per_step: int = 512           # B (over all ranks)
-    rollouts_per_prompt: int = 32         # 2G sampled per prompt
-    group_size: int = 16                  # G kept per prompt after RoC
-    roc_mode: str = "sample"              # sample (report) | lowest (public code) | off (plain GRPO: keep all 2G)
-    loss_agg: str = "token"               # token (report, DAPO-style) | sequence (original GRPO), for ablations
-    clip_low: float = 0.2                 # epsilon_low
-    clip_high: float = 0.28               # epsilon_high (clip-higher)
-    dual_clip: float | None = None        # verl's 3.0 for A < 0; not in the report
-    # --- engine-trainer mismatch (beyond the report; docs/method.md §9): always measured, corrected when asked
-    mismatch_correction: str = "off"      # off (report) | tis (token-level truncated IS) | seq_mask (geometric band)
-    mismatch_tis_cap: float = 2.0         # tis: C in min(pi_old / pi_sampler, C) (verl's default 2; TRL's 3)
-    mismatch_seq_low: float = 0.999       # seq_mask: a rollout whose geometric-mean ratio pi_old / pi_sampler is
-    mismatch_seq_high: float = 1.001      # seq_mask: below low or above high is dropped (verl's geometric preset)
-    # --- rollout (report §2 and §4)
-    max_response_tokens: int = 8192       # total response budget: 8K / 12K / 12K in stages 1 / 2 / 3
-    max_turns: int = 10                   # assistant turns: 10 / 10 / 15 in stages 1 / 2 / 3
-    max_prompt_tokens: int = 2048         # a longer rendered prompt is an input error
-    temperature: float = 1.0              # report: 1.0 for training rollouts
-    top_p: float = 1.0
-    system_prompt: str = "default"        # a preset (default, compact, rstar2_public) or the text itself (protocol.py)
-    user_instruction: str = DEFAULT_USER_INSTRUCTION  # fills user_template's {instruction} slot ("" for none)
-    user_template: str = "default"        # the user turn: a preset (default, rstar2_public) or text with {problem}
-    tool_name: str = TOOL_NAME            # the name a call must give (public format: python_code_with_standard_io)
-    tool_required: list[str] = field(default_factory=lambda: ["code"])  # the arguments its schema marks required
-    tool_result_format: str = "default"   # how a result reads: default ("ok\n4\n") | rstar2_public ("Tool call ...")
-    newline_after_turn: bool = True       # "\n" after an assistant turn's <|im_end|> (the public agent loop: none)
-    sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU; CPU build too)
-    rollout_batch_size: int = 64          # requests decoded together, hf sampler slots
-    sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
-    vllm_gpu_memory_utilization: float = 0.5  # vLLM's share of the reported GPU memory (tools/memory_plan.py)
-    vllm_tensor_parallel_size: int = 1    # only 1: one single-device engine per rank
-    vllm_dtype: str = "bfloat16"          # the engine's weights and activations (float32 for the tiny CPU runs)
-    vllm_enforce_eager: bool = False      # no CUDA graphs / torch.compile (faster start; the CPU build's tests)
-    # --- code tool (report §3)
-    tool_workers: int = 4
-    tool_timeout: float = 4.0             # seconds per call (public code: 4 s)
-    tool_memory_mb: int = 512
-    tool_max_output_chars: int = 1000     # public code: 1,000 characters
-    tool_backend: str = "auto"            # auto | servers (Linux) | subprocess (portable, slower)
-    tool_require_isolation: bool = False  # refuse to start without namespaces, Landlock and seccomp
-    tool_error_format: str = "full"       # a failed call's text: full (compact traceback) | last_line (exception only)
-    # --- optimizer (report §4)
-    lr: float = 1e-6                      # constant after warm-up
-    warmup_steps: int = 20                # in optimizer steps (RL steps when updates_per_step is 1)
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    grad_clip: float = 1.0
-    updates_per_step: int = 1             # optimizer steps (mini-batches) per RL step; >1 makes the clip matter
-    micro_batch_size: int = 4             # sequences per forward/backward
-    optimizer_from: str | None = None     # a run or checkpoint folder whose AdamW state to start from; None: fresh
-    mixed_precision: str = "no"           # no | bf16
-    gradient_checkpointing: bool = False
-    # --- logging, evaluation during training, checkpoints
-    log_every: int = 1
-    eval_data: str | None = None          # held-out JSONL for accuracy curves during training
-    eval_every: int = 0                   # steps between held-out evaluations (0: only at the end if eval_data)
-    eval_samples: int = 2
-    eval_temperature: float = 0.6
-    eval_limit: int = 0                   # first N held-out problems (0: all)
-    save_every: int = 50
-    keep_checkpoints: int = 2
-    report_to: str | None = None          # tensorboard | wandb (Accelerate trackers); stops if it cannot start
-    process_group_timeout_s: float = accel.PROCESS_GROUP_TIMEOUT_S  # a collective's wait; sized in accel.py
-    torch_threads: int = 0                # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
-
-
-# Allowed values of the numeric fields (config.check_ranges), checked by `validate` before any work.
-RANGES = {
-    "steps": ">= 1", "seed": ">= 0 and <= 4294967295", "world_size": ">= 0", "gpus_per_node": ">= 1",
-    "gpu_memory_gb": "> 0",
-    "prompts_per_step": ">= 1", "rollouts_per_prompt": ">= 2", "group_size": ">= 2",
-    "clip_low": ">= 0 and < 1", "clip_high": ">= 0", "dual_clip": "> 1",
-    "mismatch_tis_cap": "> 0", "mismatch_seq_low": "> 0 and <= 1", "mismatch_seq_high": ">= 1",
-    "max_response_tokens": ">= 16", "max_turns": ">= 1", "max_prompt_tokens": ">= 1",
-    "temperature": "> 0",  # the update divides the logits by it (0 is greedy for a sampler, undefined here)
-    "top_p": "> 0 and <= 1", "rollout_batch_size": ">= 1",
-    "vllm_gpu_memory_utilization": "> 0 and <= 1", "vllm_tensor_parallel_size": ">= 1",
-    "tool_workers": ">= 0", "tool_timeout": "> 0", "tool_memory_mb": ">= 1", "tool_max_output_chars": ">= 1",
-    "lr": "> 0", "warmup_steps": ">= 0", "weight_decay": ">= 0", "adam_beta1": ">= 0 and < 1",
-    "adam_beta2": ">= 0 and < 1", "grad_clip": "> 0", "updates_per_step": ">= 1", "micro_batch_size": ">= 1",
-    "log_every": ">= 1", "eval_every": ">= 0", "eval_samples": ">= 1", "eval_temperature": ">= 0",
-    "eval_limit": ">= 0", "save_every": ">= 1", "keep_checkpoints": ">= 1", "torch_threads": ">= 0",
-    "process_group_timeout_s": "> 0",
-}
-
-
-# Keys that may differ from the checkpoint's config on resume without `resume_allow_changes`: they change no number
-# the run computes (printing, trackers, checkpoint cadence, threads and tool workers, the vLLM memory share). Any other
-# change (steps, batch shapes, data, lr, seeds, budgets) is refused unless named in resume_allow_changes.
-RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "dry_run", "world_size", "gpus_per_node",
-               "gpu_memory_gb", "model_shape", "log_every", "report_to", "save_every", "keep_checkpoints",
-               "torch_threads", "tool_workers", "tool_backend", "tool_require_isolation",
-               "vllm_gpu_memory_utilization", "process_group_timeout_s"}
-
-
+# ============================================================================ configuration checks
 def validate(cfg: TrainConfig, world: int) -> None:
     """Config errors that need no files, raised before any work."""
     problems = check_ranges(cfg, RANGES)
@@ -536,15 +409,6 @@ def validate(cfg: TrainConfig, world: int) -> None:
         problems.append("data: give at least one JSONL file of problems")
     if problems:
         raise SystemExit("config error: " + "; ".join(problems))
-
-
-def check_inputs(cfg: TrainConfig, tokenizer, fmt, problems: list[dict]) -> None:
-    """Input errors that need the tokenizer: a prompt longer than max_prompt_tokens names its file and line."""
-    for p in problems:
-        n = len(encode(tokenizer, fmt.prompt(p["problem"])))
-        if n > cfg.max_prompt_tokens:
-            raise SystemExit(f"input error: {p.where}: prompt is {n} tokens, over max_prompt_tokens="
-                             f"{cfg.max_prompt_tokens}")
 
 
 # ============================================================================ distributed plumbing (the only rank logic)
@@ -593,39 +457,11 @@ def held_out_eval(cfg: TrainConfig, run) -> dict:
             "eval/tool_calls_mean": stats["tool_calls_mean"], "eval/truncated_frac": stats["truncated_frac"]}
 
 
-def print_plan(cfg: TrainConfig, world: int) -> None:
-    """The resolved plan, without loading a model (dry_run=true): check a 64-GPU config on a laptop."""
-    validate(cfg, world)
-    per_rank = cfg.prompts_per_step // world
-    kept = per_rank * cfg.group_size
-    lines = [
-        f"world size             {world}",
-        f"prompts per step       {cfg.prompts_per_step} (B) = {per_rank} per rank",
-        f"rollouts per step      {cfg.prompts_per_step * cfg.rollouts_per_prompt} (2G = {cfg.rollouts_per_prompt}"
-        f" per prompt), {per_rank * cfg.rollouts_per_prompt} per rank",
-        f"kept for the update    at most {kept} per rank (G = {cfg.group_size}, RoC mode {cfg.roc_mode})",
-        f"micro-batches          up to {math.ceil(kept / cfg.micro_batch_size)} per rank of {cfg.micro_batch_size}"
-        f" sequences, {cfg.updates_per_step} optimizer step(s) per RL step",
-        f"token budget           {cfg.max_response_tokens} response tokens, {cfg.max_turns} turns per rollout; "
-        f"at most {per_rank * cfg.rollouts_per_prompt * cfg.max_response_tokens:,} response tokens per rank per step",
-        f"steps                  {cfg.steps} (stage {cfg.stage}), lr {cfg.lr} after {cfg.warmup_steps} warm-up steps",
-        f"sampler                {cfg.sampler}; data {cfg.data}; out {cfg.out_dir}",
-    ]
-    print("\n".join(lines + engine_lines(cfg, world) + memory_lines(cfg, world)))  # tools/memory_plan.py
-
-
 def load_data(paths: list[str]) -> list[dict]:
     try:
         return [p for path in paths for p in load_problems(path)]
     except (OSError, ValueError) as e:
         raise SystemExit(f"input error: {e}") from None
-
-
-class Run:
-    """The objects a step needs, built once (a plain namespace, not a framework)."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
 
 
 def setup(cfg: TrainConfig):
@@ -697,10 +533,11 @@ def setup(cfg: TrainConfig):
     sampler = make_sampler(cfg, handoff.sampler_policy(cfg, acc, model), tokenizer)
     # The sampler starts from the trainer's weights (a resumed checkpoint's too), checked before any rollout.
     probe = encode(tokenizer, fmt.prompt(problems[0]["problem"]))[:handoff.HANDOFF_PROBE_TOKENS]
-    run = Run(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
-              tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems, probe=probe,
-              pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out,
-              identity=identity, handoff_check=handoff.sync(acc, model, sampler, probe, "at the start"))
+    # the objects a step needs, built once: a plain namespace, not a framework
+    run = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                          tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems, probe=probe,
+                          pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out,
+                          identity=identity, handoff_check=handoff.sync(acc, model, sampler, probe, "at the start"))
     run.tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
                         max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
                         require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)
@@ -739,7 +576,9 @@ def log_line(step: int, m: dict) -> str:
 def main(argv=None) -> None:
     cfg = parse_cli(TrainConfig, argv, usage=USAGE)
     if cfg.dry_run:
-        print_plan(cfg, cfg.world_size or int(os.environ.get("WORLD_SIZE", 1)))
+        world = cfg.world_size or int(os.environ.get("WORLD_SIZE", 1))
+        validate(cfg, world)
+        print("\n".join(plan_lines(cfg, world)))
         return
     step, run = setup(cfg)
     acc, log_path = run.accelerator, run.out / "metrics.jsonl"

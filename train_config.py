@@ -1,0 +1,159 @@
+"""The configuration of one RL stage (train.py): every field with its report symbol and default, the allowed values
+of the numeric ones, the keys a resume may change freely, the input check that needs the tokenizer, and the
+dry run's plan. train.py holds the algorithm and `validate`, the checks that need its tables of options."""
+import math
+from dataclasses import dataclass, field
+
+import accel
+from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, encode
+from tools.memory_plan import engine_lines, memory_lines
+
+USAGE = """One RL stage with GRPO-RoC.
+  python train.py [CONFIG.yaml ...] [key=value ...]
+  python train.py configs/tiny/stage1.yaml steps=20 roc_mode=lowest
+  python train.py configs/qwen3-14b/stage1.yaml dry_run=true world_size=64      # the plan, no model loaded
+  accelerate launch --config_file configs/accelerate/fsdp_1node_8gpu.yaml train.py configs/qwen3-14b/stage1.yaml"""
+
+
+@dataclass
+class TrainConfig:
+    # --- run
+    model_path: str = ""                  # policy to start from: the SFT model or the previous stage's model/
+    data: list[str] = field(default_factory=list)  # JSONL files with `problem` and an integer `answer`
+    out_dir: str = "runs/stage1"          # config.yaml, metrics.jsonl, checkpoints, model/, curves.png
+    stage: int = 1                        # label only (report: stages 1, 2, 3)
+    steps: int = 300                      # report: 300 / 85 / 125 steps for stages 1 / 2 / 3
+    seed: int = 0                         # the one seed; every random choice derives from it
+    resume: str = "auto"                  # auto: continue from out_dir's latest checkpoint; never: refuse one; or a path
+    resume_allow_changes: list[str] = field(default_factory=list)  # config keys that may differ from the checkpoint's
+    dry_run: bool = False                 # print the resolved plan and exit without loading a model
+    world_size: int = 0                   # for dry_run only: plan for this many processes (0: the launcher's)
+    gpus_per_node: int = 8                # for dry_run only: GPUs per node (the launch configs shard within one)
+    gpu_memory_gb: float = 150.7          # for dry_run only: one GPU's memory as its driver reports it (H200: 150.7)
+    model_shape: str = ""                 # for dry_run only, before model_path exists: qwen3-0.6b | 1.7b | 14b
+    # --- GRPO-RoC (report §2)
+    prompts_per_step: int = 512           # B (over all ranks)
+    rollouts_per_prompt: int = 32         # 2G sampled per prompt
+    group_size: int = 16                  # G kept per prompt after RoC
+    roc_mode: str = "sample"              # sample (report) | lowest (public code) | off (plain GRPO: keep all 2G)
+    loss_agg: str = "token"               # token (report, DAPO-style) | sequence (original GRPO), for ablations
+    clip_low: float = 0.2                 # epsilon_low
+    clip_high: float = 0.28               # epsilon_high (clip-higher)
+    dual_clip: float | None = None        # verl's 3.0 for A < 0; not in the report
+    # --- engine-trainer mismatch (beyond the report; docs/method.md §9): always measured, corrected when asked
+    mismatch_correction: str = "off"      # off (report) | tis (token-level truncated IS) | seq_mask (geometric band)
+    mismatch_tis_cap: float = 2.0         # tis: C in min(pi_old / pi_sampler, C) (verl's default 2; TRL's 3)
+    mismatch_seq_low: float = 0.999       # seq_mask: a rollout whose geometric-mean ratio pi_old / pi_sampler is
+    mismatch_seq_high: float = 1.001      # seq_mask: below low or above high is dropped (verl's geometric preset)
+    # --- rollout (report §2 and §4)
+    max_response_tokens: int = 8192       # total response budget: 8K / 12K / 12K in stages 1 / 2 / 3
+    max_turns: int = 10                   # assistant turns: 10 / 10 / 15 in stages 1 / 2 / 3
+    max_prompt_tokens: int = 2048         # a longer rendered prompt is an input error
+    temperature: float = 1.0              # report: 1.0 for training rollouts
+    top_p: float = 1.0
+    system_prompt: str = "default"        # a preset (default, compact, rstar2_public) or the text itself (protocol.py)
+    user_instruction: str = DEFAULT_USER_INSTRUCTION  # fills user_template's {instruction} slot ("" for none)
+    user_template: str = "default"        # the user turn: a preset (default, rstar2_public) or text with {problem}
+    tool_name: str = TOOL_NAME            # the name a call must give (public format: python_code_with_standard_io)
+    tool_required: list[str] = field(default_factory=lambda: ["code"])  # the arguments its schema marks required
+    tool_result_format: str = "default"   # how a result reads: default ("ok\n4\n") | rstar2_public ("Tool call ...")
+    newline_after_turn: bool = True       # "\n" after an assistant turn's <|im_end|> (the public agent loop: none)
+    sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU; CPU build too)
+    rollout_batch_size: int = 64          # requests decoded together, hf sampler slots
+    sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
+    vllm_gpu_memory_utilization: float = 0.5  # vLLM's share of the reported GPU memory (tools/memory_plan.py)
+    vllm_tensor_parallel_size: int = 1    # only 1: one single-device engine per rank
+    vllm_dtype: str = "bfloat16"          # the engine's weights and activations (float32 for the tiny CPU runs)
+    vllm_enforce_eager: bool = False      # no CUDA graphs / torch.compile (faster start; the CPU build's tests)
+    # --- code tool (report §3)
+    tool_workers: int = 4
+    tool_timeout: float = 4.0             # seconds per call (public code: 4 s)
+    tool_memory_mb: int = 512
+    tool_max_output_chars: int = 1000     # public code: 1,000 characters
+    tool_backend: str = "auto"            # auto | servers (Linux) | subprocess (portable, slower)
+    tool_require_isolation: bool = False  # refuse to start without namespaces, Landlock and seccomp
+    tool_error_format: str = "full"       # a failed call's text: full (compact traceback) | last_line (exception only)
+    # --- optimizer (report §4)
+    lr: float = 1e-6                      # constant after warm-up
+    warmup_steps: int = 20                # in optimizer steps (RL steps when updates_per_step is 1)
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0
+    updates_per_step: int = 1             # optimizer steps (mini-batches) per RL step; >1 makes the clip matter
+    micro_batch_size: int = 4             # sequences per forward/backward
+    optimizer_from: str | None = None     # a run or checkpoint folder whose AdamW state to start from; None: fresh
+    mixed_precision: str = "no"           # no | bf16
+    gradient_checkpointing: bool = False
+    # --- logging, evaluation during training, checkpoints
+    log_every: int = 1
+    eval_data: str | None = None          # held-out JSONL for accuracy curves during training
+    eval_every: int = 0                   # steps between held-out evaluations (0: only at the end if eval_data)
+    eval_samples: int = 2
+    eval_temperature: float = 0.6
+    eval_limit: int = 0                   # first N held-out problems (0: all)
+    save_every: int = 50
+    keep_checkpoints: int = 2
+    report_to: str | None = None          # tensorboard | wandb (Accelerate trackers); stops if it cannot start
+    process_group_timeout_s: float = accel.PROCESS_GROUP_TIMEOUT_S  # a collective's wait; sized in accel.py
+    torch_threads: int = 0                # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
+
+
+# Allowed values of the numeric fields (config.check_ranges), checked by `validate` before any work.
+RANGES = {
+    "steps": ">= 1", "seed": ">= 0 and <= 4294967295", "world_size": ">= 0", "gpus_per_node": ">= 1",
+    "gpu_memory_gb": "> 0",
+    "prompts_per_step": ">= 1", "rollouts_per_prompt": ">= 2", "group_size": ">= 2",
+    "clip_low": ">= 0 and < 1", "clip_high": ">= 0", "dual_clip": "> 1",
+    "mismatch_tis_cap": "> 0", "mismatch_seq_low": "> 0 and <= 1", "mismatch_seq_high": ">= 1",
+    "max_response_tokens": ">= 16", "max_turns": ">= 1", "max_prompt_tokens": ">= 1",
+    "temperature": "> 0",  # the update divides the logits by it (0 is greedy for a sampler, undefined here)
+    "top_p": "> 0 and <= 1", "rollout_batch_size": ">= 1",
+    "vllm_gpu_memory_utilization": "> 0 and <= 1", "vllm_tensor_parallel_size": ">= 1",
+    "tool_workers": ">= 0", "tool_timeout": "> 0", "tool_memory_mb": ">= 1", "tool_max_output_chars": ">= 1",
+    "lr": "> 0", "warmup_steps": ">= 0", "weight_decay": ">= 0", "adam_beta1": ">= 0 and < 1",
+    "adam_beta2": ">= 0 and < 1", "grad_clip": "> 0", "updates_per_step": ">= 1", "micro_batch_size": ">= 1",
+    "log_every": ">= 1", "eval_every": ">= 0", "eval_samples": ">= 1", "eval_temperature": ">= 0",
+    "eval_limit": ">= 0", "save_every": ">= 1", "keep_checkpoints": ">= 1", "torch_threads": ">= 0",
+    "process_group_timeout_s": "> 0",
+}
+
+
+# Keys that may differ from the checkpoint's config on resume without `resume_allow_changes`: they change no number
+# the run computes (printing, trackers, checkpoint cadence, threads and tool workers, the vLLM memory share). Any other
+# change (steps, batch shapes, data, lr, seeds, budgets) is refused unless named in resume_allow_changes.
+RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "dry_run", "world_size", "gpus_per_node",
+               "gpu_memory_gb", "model_shape", "log_every", "report_to", "save_every", "keep_checkpoints",
+               "torch_threads", "tool_workers", "tool_backend", "tool_require_isolation",
+               "vllm_gpu_memory_utilization", "process_group_timeout_s"}
+
+
+def check_inputs(cfg: TrainConfig, tokenizer, fmt, problems: list[dict]) -> None:
+    """Input errors that need the tokenizer: a prompt longer than max_prompt_tokens names its file and line."""
+    for p in problems:
+        n = len(encode(tokenizer, fmt.prompt(p["problem"])))
+        if n > cfg.max_prompt_tokens:
+            raise SystemExit(f"input error: {p.where}: prompt is {n} tokens, over max_prompt_tokens="
+                             f"{cfg.max_prompt_tokens}")
+
+
+def plan_lines(cfg: TrainConfig, world: int) -> list[str]:
+    """The resolved plan of a stage at `world` processes, without loading a model (train.py's dry_run=true: check a
+    64-GPU config on a laptop): the batch shapes per rank here, then the engines and the memory per GPU
+    (tools/memory_plan.py)."""
+    per_rank = cfg.prompts_per_step // world
+    kept = per_rank * cfg.group_size
+    lines = [
+        f"world size             {world}",
+        f"prompts per step       {cfg.prompts_per_step} (B) = {per_rank} per rank",
+        f"rollouts per step      {cfg.prompts_per_step * cfg.rollouts_per_prompt} (2G = {cfg.rollouts_per_prompt}"
+        f" per prompt), {per_rank * cfg.rollouts_per_prompt} per rank",
+        f"kept for the update    at most {kept} per rank (G = {cfg.group_size}, RoC mode {cfg.roc_mode})",
+        f"micro-batches          up to {math.ceil(kept / cfg.micro_batch_size)} per rank of {cfg.micro_batch_size}"
+        f" sequences, {cfg.updates_per_step} optimizer step(s) per RL step",
+        f"token budget           {cfg.max_response_tokens} response tokens, {cfg.max_turns} turns per rollout; "
+        f"at most {per_rank * cfg.rollouts_per_prompt * cfg.max_response_tokens:,} response tokens per rank per step",
+        f"steps                  {cfg.steps} (stage {cfg.stage}), lr {cfg.lr} after {cfg.warmup_steps} warm-up steps",
+        f"sampler                {cfg.sampler}; data {cfg.data}; out {cfg.out_dir}",
+    ]
+    return lines + engine_lines(cfg, world) + memory_lines(cfg, world)
