@@ -311,19 +311,19 @@ def run_eval(argv: list[str]) -> dict:
     """eval.main(argv), timing its rollouts and counting the tokens they generated."""
     import eval as evaluation
     found: dict = {}
-    real = evaluation.evaluate
+    real = evaluation.roll_and_score  # what eval.run calls per benchmark: (trajectories, answer-check timeouts)
 
     def timed(*args, **kwargs):
         reset_peak()
         t0 = time.perf_counter()
-        metrics, trajs = real(*args, **kwargs)
+        trajs, timeouts = real(*args, **kwargs)
         synchronize()
         found.update(eval_s=time.perf_counter() - t0, eval_tokens=sum(sum(t.loss_mask) for t in trajs),
                      eval_memory=gpu_memory(), eval_rollouts=len(trajs),
                      eval_longest=max(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
-        return metrics, trajs
+        return trajs, timeouts
 
-    evaluation.evaluate = timed
+    evaluation.roll_and_score = timed
     evaluation.main(argv)
     return found
 
