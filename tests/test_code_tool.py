@@ -448,7 +448,7 @@ def test_interpreter_exit_closes_the_pool(backend):
     script = (f"import code_tool, time\nt = code_tool.CodeTool(workers=2, preload=('math',), backend={backend!r})\n"
               "print(t.run('print(7)').stdout)\nt.submit('import time\\ntime.sleep(30)')\ntime.sleep(1.5)")
     # the child prints its processes' pids too (servers, the running call), to look for them after it is gone
-    script += "\nimport code_sandbox\nprint(*code_sandbox._descendants(__import__('os').getpid()))"
+    script += "\nfrom sandbox import code_sandbox\nprint(*code_sandbox._descendants(__import__('os').getpid()))"
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     lines = done.stdout.splitlines()
     assert done.returncode == 0 and lines[0] == "7"
@@ -627,7 +627,7 @@ def test_a_non_root_namespaced_server_keeps_no_capability_and_still_caps_call_fi
     server mounts the call directories' tmpfs in a user namespace of its own, then drops every capability."""
     capabilities = ("import ctypes, os\nsets = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable (x2)\n"
                     "ctypes.CDLL(None).capget((ctypes.c_uint32 * 2)(0x20080522, 0), sets)\nprint(os.getuid(), list(sets))")
-    script = ("import code_tool, code_sandbox\nt = code_tool.CodeTool(workers=1, preload=('math',))\n"
+    script = ("import code_tool\nfrom sandbox import code_sandbox\nt = code_tool.CodeTool(workers=1, preload=('math',))\n"
               f"print(t.sandbox)\nprint(t.run({capabilities!r}).stdout, end='')\n"
               f"print(t.run({scratch_fill(SCRATCH_MB // 2 - 2)!r}).stdout, end='')\nt.close()")
     done = subprocess.run(["unshare", "--user", "--map-user=1000", "--map-group=1000", sys.executable, "-c",

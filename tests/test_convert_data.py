@@ -92,9 +92,9 @@ HUB_MESSAGE = ("convert_data: the Hugging Face hub could not be reached ({}); do
 
 def test_hub_offline_is_one_line_saying_how_to_give_the_file(tmp_path):
     """The real download under HF_HUB_OFFLINE=1 (no wait on retries): one line on stderr, no traceback."""
-    root = Path(convert_data.__file__).parent
+    root = Path(convert_data.__file__).parents[1]
     out = tmp_path / "dapo.jsonl"
-    done = subprocess.run([sys.executable, "tools/convert_data.py", "dapo", "hub", str(out)], cwd=root, timeout=120,
+    done = subprocess.run([sys.executable, "-m", "tools.convert_data", "dapo", "hub", str(out)], cwd=root, timeout=120,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
                                "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     assert done.returncode == 1 and done.stdout == ""
