@@ -3,9 +3,10 @@ leaves to the caller.
 
 1. The process-group timeout (`process_group_timeout_s` in both configs). torch's default for NCCL is 10 minutes,
    after which the watchdog kills a rank stuck in a collective. In train.py the fast ranks wait in the update's first
-   collective while the slowest rank finishes its rollouts, and every rank waits while checkpoints and the final
-   model are written. The default, 2 hours, is sized for the report's stages 2-3 at 64 GPUs: the slowest rank's 256
-   rollouts (8 prompts x 2G = 32) can all run to the 12,288-token budget, 3.1M tokens; a colocated 14B engine on an
+   collective while the slowest rank finishes its rollouts (schedule.py shortens that wait; it cannot remove it),
+   and every rank waits while checkpoints and the final model are written. The default, 2 hours, is sized for the
+   report's stages 2-3 at 64 GPUs under schedule=static: the slowest rank's 256 rollouts (8 prompts x 2G = 32) can
+   all run to the 12,288-token budget, 3.1M tokens; a colocated 14B engine on an
    H200 holds ~250K tokens of KV cache (tools/memory_plan.py), ~18 such rollouts at once, and each decode step reads its
    weights and that cache (~70 GB at ~4.8 TB/s, ~15 ms) for ~18 tokens: ~1,200 tokens/s, ~45 minutes, plus the
    tool calls. Writing a 14B checkpoint adds minutes (the gathered model alone is 30-60 GB). Twice that worst case
@@ -127,3 +128,35 @@ def is_sharded(model) -> bool:
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole value of a tensor that FSDP may hand back as a DTensor (the gradient norm)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+# ---------------------------------------------------------------- collectives over ranks (no-ops on one process)
+def all_sum(accelerator, values: list[float]) -> list[float]:
+    """Sum a list of numbers over ranks (a no-op on one process)."""
+    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def reduce_sums(accelerator, sums: dict) -> dict:
+    """{name: (sum, count)} from every rank -> {name: global sum / global count} (NaN where the count is 0)."""
+    flat = all_sum(accelerator, [x for pair in sums.values() for x in pair])
+    return {k: (flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] else float("nan")) for i, k in enumerate(sums)}
+
+
+def all_max(accelerator, values: list[float]) -> list[float]:
+    """The element-wise largest of a list of numbers over ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.tolist()
+
+
+def all_gather(accelerator, obj) -> list:
+    """Every rank's `obj`, in rank order (pickled; [obj] on one process)."""
+    if accelerator.num_processes == 1:
+        return [obj]
+    out = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(out, obj)
+    return out

@@ -158,15 +158,25 @@ def _decode_turn(tokenizer, ids: list[int], stopped: bool) -> str:
 
 def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_response_tokens: int,
             max_turns: int, temperature: float = 1.0, top_p: float = 1.0, sync_turns: bool = False,
-            progress: bool = False) -> list[Trajectory]:
-    """Play out every problem (N = len(problems); repeat a problem 2G times for a group) and return N Trajectories
-    in the same order. sampler: see sampler.py (`add`, `step`, `has_work`); tool: a CodeTool (only `submit`)."""
-    trajs = [Trajectory(p, encode(tokenizer, fmt.prompt(p))) for p in problems]
-    for i, traj in enumerate(trajs):
-        sampler.add(i, traj.prompt_ids, max_response_tokens, temperature, top_p)
-    running = len(trajs)  # rollouts not yet ended
+            progress: bool = False, more=None) -> list[Trajectory]:
+    """Play out every problem (repeat a problem 2G times for a group) and return one Trajectory per problem, in
+    order. sampler: see sampler.py (`add`, `step`, `has_work`); tool: a CodeTool (only `submit`).
+    more(running) -> list[str]: further problems, asked at the start and whenever a rollout ends, with the number of
+    rollouts not yet ended ([] for none now); their trajectories follow, in the order given (schedule.py)."""
+    trajs: list[Trajectory] = []
+    running = 0  # rollouts not yet ended
     in_flight: dict[Future, tuple[int, ToolCall]] = {}  # tool calls submitted, not yet read
-    bar = tqdm(total=len(trajs), desc="rollouts", unit="rollout", disable=not progress)
+    bar = tqdm(total=0, desc="rollouts", unit="rollout", disable=not progress)
+
+    def start(new: list[str]) -> None:
+        nonlocal running
+        for p in new:
+            trajs.append(Trajectory(p, encode(tokenizer, fmt.prompt(p))))
+            sampler.add(len(trajs) - 1, trajs[-1].prompt_ids, max_response_tokens, temperature, top_p)
+        running += len(new)
+        bar.total += len(new)
+        if more is not None and (extra := more(running)):
+            start(extra)
 
     def go_on(i: int) -> None:
         """After a turn or a tool response: the rollout continues as a new request, or it has ended."""
@@ -178,7 +188,9 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
         else:
             running -= 1
             bar.update(1)
+            start([])
 
+    start(list(problems))
     while running:
         # 1. Generate: the turns that finished in this step are recorded; their tool calls start at once.
         for i, c in sampler.step() if sampler.has_work() else []:

@@ -34,7 +34,8 @@ Three implementations, in samplers/:
   sleep mode frees the memory for the update. Runs on vLLM's CPU build too. vLLM is imported only there.
 `TurnSampler` gives `add`/`step` to anything that has only `generate` (each step generates everything queued).
 
-Left out: the report's KV-cache-aware balancing of requests across several engines (§3): each rank drives its own.
+Across ranks, schedule.py hands each engine a step's prompts as it frees up (the report's scheduler, §3.2, by whole
+prompts); the engine packs its own KV cache.
 """
 from dataclasses import dataclass
 from typing import Protocol

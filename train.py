@@ -4,14 +4,15 @@
     accelerate launch --config_file configs/accelerate/fsdp_1node_8gpu.yaml train.py configs/qwen3-14b/stage1.yaml
 
 Each step, in labelled phases (the banners in `train_step`):
-  1. sample B prompts (this rank's share: groups never straddle ranks)
+  1. claim prompts of the step's B, one at a time as this rank's engine frees up (schedule.py; whole groups)
   2. rollout: 2G multi-turn rollouts per prompt with the Python tool (rollout.py)
   3. reward: 0/1 on the final answer (reward.py)
   4. drop equal groups (all right or all wrong)                    } grpo_roc.py
   5. Resample-on-Correct: 2G -> G per group                         }
   6. advantages per group of G                                      }
   7. old log-probs under the policy before the update
-  8. policy update: mini-batches of micro-batches, gradient accumulation, the exact global token normaliser
+  8. policy update: the kept rollouts spread over ranks by tokens (schedule.py); mini-batches of micro-batches,
+     gradient accumulation, the exact global token normaliser
   9. hand the new weights to the sampler, and verify they arrived (log-probs of a fixed sequence; handoff.py)
  10. log (metrics.jsonl, tqdm, trackers) and checkpoint
 A stage is one invocation; the multi-stage recipe is a sequence of them (configs/*/stage{1,2,3}.yaml), each starting
@@ -26,9 +27,9 @@ ranks, which the factor undoes). The accumulated gradient is then exactly that o
 Ranks keep different numbers of rollouts after dropping equal groups, so the number of micro-batches is agreed on
 first and ranks with fewer run empty (mask-0) micro-batches: every rank joins every collective.
 
-Not here: a KL term or reference model, an entropy bonus (see grpo_roc.py); the report's load-balancing rollout
-balancer across engines (report §3); within a rank, rollout.py batches continuously and dispatches each tool
-call the moment its turn ends.
+Not here: a KL term or reference model, an entropy bonus (see grpo_roc.py). The report's rollout scheduler (§3.2)
+is schedule.py's: across ranks, prompts claimed as engines free up; within a rank, rollout.py batches continuously
+and dispatches each tool call the moment its turn ends.
 """
 import contextlib
 import json
@@ -60,6 +61,7 @@ from protocol import chat_format_of, encode
 from reward import check_many, default_pool, extract_answer
 from rollout import rollout, rollout_sums
 from samplers.vllm_engine import VLLMSampler
+from schedule import SCHEDULES, balance_update, step_claims
 from train_config import RANGES, RESUME_FREE, USAGE, TrainConfig, check_inputs, plan_lines
 
 # ============================================================================ one RL step (phases 1-9)
@@ -67,15 +69,16 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     """Phases 1-9 for one step on this rank; returns {name: (sum, count)} to be reduced over ranks."""
     acc, K = run.accelerator, cfg.rollouts_per_prompt
     t0 = time.perf_counter()
-    # ---------------------------------------------------------------- 1. sample B prompts (this rank's share)
-    share = rank_share(prompt_indices(step, cfg.prompts_per_step, len(run.problems), cfg.seed), acc)
-    problems = [run.problems[i] for i in share]
-    # ---------------------------------------------------------------- 2. rollout: 2G per prompt
-    trajs = rollout([p["problem"] for p in problems for _ in range(K)], run.sampler, run.tool, run.tokenizer,
-                    run.fmt, max_response_tokens=cfg.max_response_tokens, max_turns=cfg.max_turns,
-                    temperature=cfg.temperature, top_p=cfg.top_p, sync_turns=cfg.sync_turns,
-                    progress=acc.is_local_main_process)
+    # ---------------------------------------------------------------- 1-2. claim prompts, 2G rollouts of each
+    indices = prompt_indices(step, cfg.prompts_per_step, len(run.problems), cfg.seed)
+    claims = step_claims(cfg.schedule, step, [run.problems[i]["problem"] for i in indices], K,
+                         cfg.rollout_batch_size, acc)
+    trajs = rollout([], run.sampler, run.tool, run.tokenizer, run.fmt, max_response_tokens=cfg.max_response_tokens,
+                    max_turns=cfg.max_turns, temperature=cfg.temperature, top_p=cfg.top_p,
+                    sync_turns=cfg.sync_turns, progress=acc.is_local_main_process, more=claims)
     t_rollout = time.perf_counter() - t0
+    positions = claims.positions  # the step positions of the groups this rank rolled out, in claiming order
+    problems = [run.problems[indices[g]] for g in positions]
     # ---------------------------------------------------------------- 3. reward: 0/1 on the final answer
     golds = [problems[i // K]["answer"] for i in range(len(trajs))]
     verdicts = check_many([extract_answer(t.text) for t in trajs], golds)
@@ -86,24 +89,23 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     grouped = [rewards[g * K:(g + 1) * K] for g in range(len(problems))]
     penalties = [[penalty_total(t.num_tool_calls, t.num_failed_tool_calls, t.num_answer_blocks, t.num_turns)
                   for t in trajs[g * K:(g + 1) * K]] for g in range(len(problems))]
-    first = acc.process_index * len(problems)  # global position of this rank's first group in the step
-    gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 10_007 + first + g)
-            for g in range(len(problems))]
+    gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 10_007 + g) for g in positions]
     groups, kept_idx = select_rollouts(grouped, penalties, cfg.group_size, cfg.roc_mode, gens)
     kept = [trajs[g * K + i] for g, idx in zip(groups, kept_idx) for i in idx]
     # ---------------------------------------------------------------- 6. advantages per kept group
     # A_i = (r_i - mean_group) / (std_group + 1e-6), unbiased std, every token of rollout i gets A_i
     kept_rewards = torch.tensor([t.reward for t in kept], dtype=torch.float)
     adv = group_advantages(kept_rewards, len(kept_idx[0])).tolist() if kept else []
+    minibatch = step_minibatches(acc, {positions[g]: len(idx) for g, idx in zip(groups, kept_idx)}, cfg)
     # ---------------------------------------------------------------- 7-8. old log-probs, policy update
+    # ... on rollouts spread over ranks by their tokens (schedule.py: under `static`, each rank's own)
+    trained, balance = balance_update(acc, list(zip(kept, adv, minibatch)), t_rollout, trajs[:1], cfg.schedule)
     t1 = time.perf_counter()
     if hasattr(run.sampler, "sleep"):
         run.sampler.sleep()  # colocated vLLM: free the GPU memory of its weights and KV cache for the update
     lr = run.scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
-    minibatch = step_minibatches(acc, {first + g: len(idx) for g, idx in zip(groups, kept_idx)}, cfg)
     sums = {k if "/" in k else f"loss/{k}": v for k, v in update_policy(
-        acc, run.model, run.optimizer, run.scheduler, list(zip(kept, adv, minibatch)), trajs[0], cfg,
-        run.pad_id).items()}
+        acc, run.model, run.optimizer, run.scheduler, trained, balance.pop("dummy"), cfg, run.pad_id).items()}
     t_update = time.perf_counter() - t1
     # ---------------------------------------------------------------- 9. hand the new weights to the sampler
     run.handoff_check = handoff.sync(acc, run.model, run.sampler, run.probe, f"after step {step + 1}",
@@ -118,6 +120,7 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
         "roc/neg_kept_mean": (len(kept) - len(kept_pos), len(groups)),
         "roc/tool_error_rate_in_correct": (sum(t.num_failed_tool_calls for t in kept_pos),
                                            sum(t.num_tool_calls for t in kept_pos)),
+        **balance,
         "perf/tokens_per_s": (sampled, t_rollout),
         "perf/rollout_s": (t_rollout, 1.0),
         "perf/update_s": (t_update, 1.0),
@@ -196,7 +199,7 @@ def rank_micro_batches(accelerator, kept: list, dummy, updates: int, size: int, 
                    + len(item[0].response_ids)) for u in range(updates)]
     # Every rank runs the same number of micro-batches in each mini-batch (the most any rank needs; the first
     # mini-batch at least one, so a step whose groups were all dropped still steps AdamW as it always has).
-    counts = all_max(accelerator, [math.ceil(len(m) / size) for m in mine])
+    counts = accel.all_max(accelerator, [math.ceil(len(m) / size) for m in mine])
     counts[0] = max(counts[0], 1)
     return [[(*make_batch(chunk, dummy, pad_id, accelerator.device), len(chunk))
              for chunk in micro_batches(m, size, int(count))] for m, count in zip(mine, counts)]
@@ -217,7 +220,7 @@ def old_logprobs(model, minibatches: list[list[tuple]], temperature: float) -> l
 def global_counts(accelerator, micro: list[tuple]) -> dict:
     """What a loss's normaliser counts, summed over ALL ranks' micro-batches of one mini-batch: the unmasked
     tokens and the sequences (rollouts, not the mask-0 filler)."""
-    tokens, sequences = all_sum(accelerator, [sum(batch["loss_mask"].sum().item() for batch, _, _ in micro),
+    tokens, sequences = accel.all_sum(accelerator, [sum(batch["loss_mask"].sum().item() for batch, _, _ in micro),
                                               sum(n for _, _, n in micro)])
     return {"tokens": tokens, "sequences": sequences}
 
@@ -255,7 +258,7 @@ def add_sequence_mismatch(sums: dict, seq_log_ratios: list) -> None:
 
 def check_finite(accelerator, loss_sum: float, grad_norm) -> None:
     """A NaN or infinite loss stops the run before it reaches the weights; summed over ranks, so all stop together."""
-    if all_sum(accelerator, [float(not (math.isfinite(loss_sum) and math.isfinite(float(grad_norm))))])[0]:
+    if accel.all_sum(accelerator, [float(not (math.isfinite(loss_sum) and math.isfinite(float(grad_norm))))])[0]:
         raise FloatingPointError(f"the loss ({loss_sum}) or gradient norm ({float(grad_norm)}) is not finite")
 
 
@@ -266,7 +269,7 @@ def step_minibatches(accelerator, kept_counts: dict[int, int], cfg: TrainConfig)
     per_group = [0] * cfg.prompts_per_step
     for g, k in kept_counts.items():
         per_group[g] = k
-    every = minibatch_of([int(k) for k in all_sum(accelerator, per_group)], cfg.updates_per_step,
+    every = minibatch_of([int(k) for k in accel.all_sum(accelerator, per_group)], cfg.updates_per_step,
                          cfg.micro_batch_size)
     return [m for g in kept_counts for m in every[g]]
 
@@ -288,7 +291,7 @@ def select_rollouts(rewards: list[list[float]], penalties: list[list[float]], ke
     """Phases 4-5 for one rank: groups with signal, and for each of them the indices of the rollouts kept.
     generators: one torch.Generator per group (seeded by the group's global position, so the choice does not
     depend on how many ranks share the step)."""
-    groups = drop_equal_groups(rewards)
+    groups = drop_equal_groups(rewards) if rewards else []  # a rank may have claimed no prompt
     return groups, [resample_on_correct(rewards[g], penalties[g], keep, mode=mode, generator=generators[g])
                     for g in groups]
 
@@ -394,6 +397,8 @@ def validate(cfg: TrainConfig, world: int) -> None:
         problems.append(f"loss_agg must be one of {sorted(LOSSES)}, got {cfg.loss_agg!r}")
     if cfg.mismatch_correction not in CORRECTIONS:
         problems.append(f"mismatch_correction must be one of {list(CORRECTIONS)}, got {cfg.mismatch_correction!r}")
+    if cfg.schedule not in SCHEDULES:
+        problems.append(f"schedule must be one of {list(SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.sampler not in ("hf", "vllm"):
         problems.append(f"sampler must be hf or vllm, got {cfg.sampler!r}")
     if cfg.vllm_tensor_parallel_size != 1:
@@ -411,35 +416,6 @@ def validate(cfg: TrainConfig, world: int) -> None:
         raise SystemExit("config error: " + "; ".join(problems))
 
 
-# ============================================================================ distributed plumbing (the only rank logic)
-def all_sum(accelerator, values: list[float]) -> list[float]:
-    """Sum a list of numbers over ranks (a no-op on one process)."""
-    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
-    if accelerator.num_processes > 1:
-        torch.distributed.all_reduce(t)
-    return t.tolist()
-
-
-def reduce_sums(accelerator, sums: dict) -> dict:
-    """{name: (sum, count)} from every rank -> {name: global sum / global count} (NaN where the count is 0)."""
-    flat = all_sum(accelerator, [x for pair in sums.values() for x in pair])
-    return {k: (flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] else float("nan")) for i, k in enumerate(sums)}
-
-
-def all_max(accelerator, values: list[float]) -> list[float]:
-    """The element-wise largest of a list of numbers over ranks."""
-    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
-    if accelerator.num_processes > 1:
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return t.tolist()
-
-
-def rank_share(items: list, accelerator) -> list:
-    """This rank's contiguous share (whole prompts, so a group never straddles ranks)."""
-    n = len(items) // accelerator.num_processes
-    return items[accelerator.process_index * n:(accelerator.process_index + 1) * n]
-
-
 # ============================================================================ set-up, evaluation, logging, main
 def held_out_eval(cfg: TrainConfig, run) -> dict:
     """Accuracy and diagnostics on the held-out split (mean reward over eval_samples samples per problem)."""
@@ -451,7 +427,7 @@ def held_out_eval(cfg: TrainConfig, run) -> dict:
     verdicts = check_many([extract_answer(t.text) for t in trajs],
                           [problems[i // cfg.eval_samples]["answer"] for i in range(len(trajs))])
     rewards = [float(v.correct) for v in verdicts]
-    stats = reduce_sums(acc, rollout_sums(trajs, rewards))
+    stats = accel.reduce_sums(acc, rollout_sums(trajs, rewards))
     return {"eval/accuracy": stats["reward_mean"], "eval/tool_error_rate_in_correct":
             stats["tool_error_rate_in_correct"], "eval/response_tokens_mean": stats["response_tokens_mean"],
             "eval/tool_calls_mean": stats["tool_calls_mean"], "eval/truncated_frac": stats["truncated_frac"]}
@@ -559,17 +535,17 @@ def make_sampler(cfg: TrainConfig, model, tokenizer):
     return HFSampler(model, tokenizer, batch_size=cfg.rollout_batch_size)
 
 
-# The step line shows the sampler-trainer gap (mismatch/logp_abs_diff_mean) above this: an fp32 engine's is ~1e-6
-# (rounding in another summation order), a bf16 engine's ~1e-2 (bench/sampler_gap.py).
-GAP_SHOWN = 1e-3
+# Shown on the step line above a threshold: the sampler-trainer gap (an fp32 engine's is ~1e-6, rounding in another
+# summation order; a bf16 engine's ~1e-2: bench/sampler_gap.py), and the ranks' rollout time spent waiting for the
+# slowest rank (schedule.py).
+SHOWN_ABOVE = {"mismatch/logp_abs_diff_mean": ("gap", 1e-3), "perf/rollout_wait_frac": ("wait", 0.2)}
 
 
 def log_line(step: int, m: dict) -> str:
     keys = [("reward", "rollout/reward_mean"), ("acc", "eval/accuracy"), ("err+", "rollout/tool_error_rate_in_correct"),
             ("calls", "rollout/tool_calls_mean"), ("len", "rollout/response_tokens_mean"),
             ("trunc", "rollout/truncated_frac"), ("equal", "roc/equal_group_frac"), ("tok/s", "perf/tokens_per_s")]
-    if m.get("mismatch/logp_abs_diff_mean", 0.0) > GAP_SHOWN:
-        keys.append(("gap", "mismatch/logp_abs_diff_mean"))
+    keys += [(name, k) for k, (name, above) in SHOWN_ABOVE.items() if m.get(k, 0.0) > above]
     return f"step {step:4d} " + " ".join(f"{name} {m[k]:.3g}" for name, k in keys if k in m)
 
 
@@ -586,7 +562,7 @@ def main(argv=None) -> None:
     try:
         while step < cfg.steps:
             try:
-                metrics = reduce_sums(acc, train_step(step, cfg, run))
+                metrics = accel.reduce_sums(acc, train_step(step, cfg, run))
             except FloatingPointError as e:  # raised on every rank alike, before the weights change
                 raise SystemExit(f"train: step {step + 1}: {e}; stopped, the last good checkpoint: "
                                  f"{latest_checkpoint(run.out) or 'none yet'}") from None

@@ -59,7 +59,8 @@ class TrainConfig:
     tool_result_format: str = "default"   # how a result reads: default ("ok\n4\n") | rstar2_public ("Tool call ...")
     newline_after_turn: bool = True       # "\n" after an assistant turn's <|im_end|> (the public agent loop: none)
     sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU; CPU build too)
-    rollout_batch_size: int = 64          # requests decoded together, hf sampler slots
+    rollout_batch_size: int = 64          # rollouts a rank runs at once: hf sampler slots; claims stop there
+    schedule: str = "balanced"            # balanced (claim prompts as engines free up, balance the update) | static
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
     vllm_gpu_memory_utilization: float = 0.5  # vLLM's share of the reported GPU memory (tools/memory_plan.py)
     vllm_tensor_parallel_size: int = 1    # only 1: one single-device engine per rank
@@ -145,7 +146,9 @@ def plan_lines(cfg: TrainConfig, world: int) -> list[str]:
     kept = per_rank * cfg.group_size
     lines = [
         f"world size             {world}",
-        f"prompts per step       {cfg.prompts_per_step} (B) = {per_rank} per rank",
+        f"prompts per step       {cfg.prompts_per_step} (B) = {per_rank} per rank" + (
+            f" on average (claimed as engines free up, < {cfg.rollout_batch_size} rollouts unfinished per rank)"
+            if cfg.schedule == "balanced" and world > 1 else ""),
         f"rollouts per step      {cfg.prompts_per_step * cfg.rollouts_per_prompt} (2G = {cfg.rollouts_per_prompt}"
         f" per prompt), {per_rank * cfg.rollouts_per_prompt} per rank",
         f"kept for the update    at most {kept} per rank (G = {cfg.group_size}, RoC mode {cfg.roc_mode})",

@@ -68,8 +68,9 @@ def record_inputs(out: Path, rank: int) -> None:
             f.write(json.dumps(row) + "\n")
 
     def rollout(problems, *args, **kwargs):
-        write("rollouts", {"temperature": kwargs.get("temperature"), "problems": sorted(problems)})
-        return real_rollout(problems, *args, **kwargs)
+        trajs = real_rollout(problems, *args, **kwargs)  # what it played out, claimed prompts included
+        write("rollouts", {"temperature": kwargs.get("temperature"), "problems": sorted(t.problem for t in trajs)})
+        return trajs
 
     def update_policy(acc, model, optimizer, scheduler, kept, *args, **kwargs):
         digest = lambda t: hashlib.sha1(str(t.prompt_ids + t.response_ids).encode()).hexdigest()[:12]  # noqa: E731

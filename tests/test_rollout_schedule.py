@@ -76,6 +76,10 @@ def test_dynamic_claims_every_prompt_once_and_static_is_rank_share():
     assert min(static["time"], dynamic["time"]) > rs.ideal(lengths, 16, 251_679, cost, prompt_tokens=300)["time"]
     # the busy seconds are the same decoding work, differently packed: within a few percent of each other
     assert dynamic["busy"].sum() == pytest.approx(static["busy"].sum(), rel=0.05)
+    # schedule.py's rule: claims while fewer than 64 of a rank's sequences are unfinished (2 prompts of 32)
+    counted = rs.simulate(lengths, 16, 251_679, cost, "dynamic", prompt_tokens=300, max_unfinished=64)
+    assert sorted(p for ps in counted["prompts"] for p in ps) == list(range(128))
+    assert counted["busy"].sum() == pytest.approx(static["busy"].sum(), rel=0.05)
 
 
 def test_refusals():
@@ -110,5 +114,6 @@ def test_main_prints_the_plan_with_the_config_kv_cache(capsys):
     rs.main(["--ranks", "8", "--prompts", "64"])
     out = capsys.readouterr().out
     assert "KV cache 251,679 tokens" in out and "budget 12,288" in out and "32 rollouts" in out
-    for name in ("static (rank_share)", "dynamic, whole prompts", "ideal (fluid bound)"):
+    for name in ("static (schedule=static)", "dynamic, whole prompts", "ideal (fluid bound)",
+                 "balanced (schedule.py, 64)"):
         assert name in out

@@ -112,10 +112,10 @@ def weights(out: Path) -> dict:
     return AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
 
 
-def assert_same_run(reference: Path, other: Path, world: int) -> None:
+def assert_same_run(reference: Path, other: Path, world: int, reference_world: int = 1) -> None:
     # the data each step rolled out (training and held-out calls), and what each optimizer step trained on
-    assert per_call(other, "rollouts", world) == per_call(reference, "rollouts", 1)
-    assert per_call(other, "kept", world) == per_call(reference, "kept", 1)
+    assert per_call(other, "rollouts", world) == per_call(reference, "rollouts", reference_world)
+    assert per_call(other, "kept", world) == per_call(reference, "kept", reference_world)
     m1, m2 = metrics(reference), metrics(other)
     assert [r["step"] for r in m2] == [r["step"] for r in m1]
     assert [r["loss/lr"] for r in m2] == pytest.approx([r["loss/lr"] for r in m1], rel=1e-12)
@@ -139,6 +139,29 @@ def test_invariance_of_rl_training_to_the_number_of_processes(data, one, kind, w
     assert lrs == pytest.approx([1e-4, 4e-4, 7e-4])
     for stage in ("stage1", "stage2"):
         assert_same_run(one / stage, other / stage, world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_balanced_update_equals_the_unbalanced_one(data, world):
+    """schedule=balanced (prompts claimed as engines free up, the update's rollouts spread by tokens) against
+    schedule=static (fixed shares, each rank trains on what it kept): the same rollouts, kept rollouts, metrics and
+    weights up to float rounding, with rollouts moved between ranks in the balanced run and its update less idle.
+    rollout_batch_size=8 (one group of 8 at a time) makes every rank claim prompts as it finishes them."""
+    runs = {}
+    for schedule in ("static", "balanced"):
+        runs[schedule] = data / f"{schedule}{world}" / "stage1"
+        train("ddp", world, stage_args(data, runs[schedule], data / "base", 3,
+                                       [f"schedule={schedule}", "rollout_batch_size=8"]))
+    assert_same_run(runs["static"], runs["balanced"], world, world)
+    claimed = [sum(len(json.loads(line)["problems"]) for line in (runs["balanced"] / f"rollouts{r}.jsonl")
+                   .read_text().splitlines()) for r in range(world)]
+    assert min(claimed) > 0, claimed  # every rank rolled out prompts
+    rows = {s: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            for s, out in runs.items()}
+    assert all(r["perf/update_moved_frac"] == 0 for r in rows["static"])
+    assert max(r["perf/update_moved_frac"] for r in rows["balanced"]) > 0
+    idle = {s: sum(r["perf/update_token_wait_frac"] for r in rs) for s, rs in rows.items()}
+    assert idle["balanced"] < idle["static"], idle
 
 
 def resumed(data: Path, kind: str, written_by: int, resumed_on: int, name: str) -> Path:

@@ -1,0 +1,109 @@
+"""The rollout scheduler measured: train.py on 2 and 3 CPU processes (torchrun, gloo), schedule=static against
+schedule=balanced, side by side in one run, on a step whose prompts are skewed (half of them long).
+
+    .venv/bin/python bench/rollout_balance.py [--steps 4 --long 288 --short 24 --worlds 2 3]
+
+The work is real where the scheduler acts: train.py's own step, the tiny model decoding in samplers/hf.py
+(rollout_batch_size rollouts at a time per rank), claims through torchrun's store, the update's forward and backward
+under DDP. Two things are arranged so that the step has the shape of a real one: every request runs its whole budget
+(no stop token), a long prompt's budget being `--long` tokens and a short one's `--short`; and the reward is a coin
+(crc32 of the rollout's text), so that groups keep rollouts and the update has work. Each step's prompts are
+`prompt_indices`'s draw, the same for both schedules. Printed per setting, the mean over the steps after the first
+(warm-up): the step time, the slowest rank's rollout time, the share of rollout time ranks waited for the slowest
+(`perf/rollout_wait_frac`), the update's idle share by tokens (`perf/update_token_wait_frac`), and the update time.
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+LONG_MARK = "LONG"
+COLUMNS = [("step s", "perf/step_s"), ("rollout s", "perf/rollout_max_s"), ("rollout wait", "perf/rollout_wait_frac"),
+           ("update wait", "perf/update_token_wait_frac"), ("update s", "perf/update_s")]
+
+
+def worker(argv: list[str], long: int, short: int) -> None:
+    """Inside torchrun: train.main with the budget-by-prompt sampler and the coin reward."""
+    import train
+    from samplers.hf import HFSampler
+
+    class BudgetSampler(HFSampler):
+        """Runs every request to its budget: `long` tokens for a prompt that says LONG_MARK, `short` otherwise."""
+
+        def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0):
+            cap = long if LONG_MARK in self.tokenizer.decode(prompt[:200]) else short
+            super().add(key, prompt, min(max_new_tokens, cap), temperature, top_p)
+
+    train.make_sampler = lambda cfg, model, tokenizer: BudgetSampler(model, tokenizer, cfg.rollout_batch_size,
+                                                                     stop_ids=[])
+    train.extract_answer = lambda text: text
+    train.check_many = lambda answers, golds: [SimpleNamespace(correct=zlib.crc32(a.encode()) % 2 == 1,
+                                                               timed_out=False) for a in answers]
+    train.main(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(root: Path, world: int, schedule: str, args) -> dict:
+    out = root / f"{schedule}{world}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
+           str(free_port()), str(Path(__file__).resolve()), "--worker", "--long", str(args.long), "--short",
+           str(args.short), "--", "configs/tiny/stage1.yaml", f"model_path={root / 'base'}",
+           f"data=[{root / 'train.jsonl'}]", f"out_dir={out}", f"schedule={schedule}", f"steps={args.steps}",
+           "prompts_per_step=12", "rollouts_per_prompt=4", "group_size=2", f"rollout_batch_size={args.slots}",
+           f"max_response_tokens={args.long}", "max_turns=1", "micro_batch_size=4", "eval_data=null",
+           "eval_every=0", f"save_every={args.steps}", "torch_threads=1", "tool_workers=1", "log_every=1000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{schedule} on {world} processes failed:\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    return {key: sum(r[key] for r in rows) / len(rows) for _, key in COLUMNS}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=4, help="RL steps per run (the first is not counted)")
+    p.add_argument("--long", type=int, default=288, help="tokens every rollout of a long prompt decodes")
+    p.add_argument("--short", type=int, default=24, help="tokens every rollout of a short prompt decodes")
+    p.add_argument("--slots", type=int, default=8, help="rollout_batch_size: rollouts a rank runs at once")
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 3])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args, rest = p.parse_known_args(argv)
+    if args.worker:
+        return worker([a for a in rest if a != "--"], args.long, args.short)
+    from data import write_jsonl
+    from tiny.model import build_tiny
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        build_tiny(root / "base", max_positions=512)
+        write_jsonl(root / "train.jsonl", [{"problem": f"{LONG_MARK if i % 2 else 'short'} problem {i}: 1+{i}?",
+                                            "answer": str(i + 1)} for i in range(12)])
+        print(f"tiny model, 12 prompts x 4 rollouts a step, half LONG ({args.long} tokens) and half short "
+              f"({args.short}), {args.slots} rollouts at a time per rank, {args.steps - 1} steps counted")
+        print(f"{'processes':>9} {'schedule':>9} " + " ".join(f"{name:>12}" for name, _ in COLUMNS))
+        for world in args.worlds:
+            results = {s: run(root, world, s, args) for s in ("static", "balanced")}
+            for schedule, r in results.items():
+                print(f"{world:>9} {schedule:>9} " + " ".join(
+                    f"{r[k]:>11.1%} " if k.endswith("frac") else f"{r[k]:>12.2f}" for _, k in COLUMNS))
+            s, b = results["static"], results["balanced"]
+            print(f"{world:>9} {'ratio':>9} {s['perf/step_s'] / b['perf/step_s']:>11.2f}x  (static / balanced step "
+                  f"time); rollout wait {b['perf/rollout_wait_frac'] / max(s['perf/rollout_wait_frac'], 1e-9):.2f}"
+                  f" of static's")
+
+
+if __name__ == "__main__":
+    main()
