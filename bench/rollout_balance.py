@@ -1,14 +1,14 @@
 """The rollout scheduler measured: train.py on 2 and 3 CPU processes (torchrun, gloo), schedule=static against
 schedule=balanced, side by side in one run, on a step whose prompts are skewed (half of them long).
 
-    .venv/bin/python bench/rollout_balance.py [--steps 4 --long 288 --short 24 --worlds 2 3]
+    .venv/bin/python bench/rollout_balance.py [--steps 6 --prompts 24 --long 288 --short 24 --worlds 2 3]
 
 The work is real where the scheduler acts: train.py's own step, the tiny model decoding in samplers/hf.py
 (rollout_batch_size rollouts at a time per rank), claims through torchrun's store, the update's forward and backward
 under DDP. Two things are arranged so that the step has the shape of a real one: every request runs its whole budget
 (no stop token), a long prompt's budget being `--long` tokens and a short one's `--short`; and the reward is a coin
 (crc32 of the rollout's text), so that groups keep rollouts and the update has work. Each step's prompts are
-`prompt_indices`'s draw, the same for both schedules. Printed per setting, the mean over the steps after the first
+`prompt_indices`'s draw (every problem once, in a new order), the same for both schedules. Printed per setting, the mean over the steps after the first
 (warm-up): the step time, the slowest rank's rollout time, the share of rollout time ranks waited for the slowest
 (`perf/rollout_wait_frac`), the update's idle share by tokens (`perf/update_token_wait_frac`), and the update time.
 """
@@ -62,7 +62,7 @@ def run(root: Path, world: int, schedule: str, args) -> dict:
            str(free_port()), str(Path(__file__).resolve()), "--worker", "--long", str(args.long), "--short",
            str(args.short), "--", "configs/tiny/stage1.yaml", f"model_path={root / 'base'}",
            f"data=[{root / 'train.jsonl'}]", f"out_dir={out}", f"schedule={schedule}", f"steps={args.steps}",
-           "prompts_per_step=12", "rollouts_per_prompt=4", "group_size=2", f"rollout_batch_size={args.slots}",
+           f"prompts_per_step={args.prompts}", "rollouts_per_prompt=4", "group_size=2", f"rollout_batch_size={args.slots}",
            f"max_response_tokens={args.long}", "max_turns=1", "micro_batch_size=4", "eval_data=null",
            "eval_every=0", f"save_every={args.steps}", "torch_threads=1", "tool_workers=1", "log_every=1000"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
@@ -75,7 +75,8 @@ def run(root: Path, world: int, schedule: str, args) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=4, help="RL steps per run (the first is not counted)")
+    p.add_argument("--steps", type=int, default=6, help="RL steps per run (the first is not counted)")
+    p.add_argument("--prompts", type=int, default=24, help="prompts per step, half of them long: every problem once")
     p.add_argument("--long", type=int, default=288, help="tokens every rollout of a long prompt decodes")
     p.add_argument("--short", type=int, default=24, help="tokens every rollout of a short prompt decodes")
     p.add_argument("--slots", type=int, default=8, help="rollout_batch_size: rollouts a rank runs at once")
@@ -90,8 +91,8 @@ def main(argv=None) -> None:
         root = Path(tmp)
         build_tiny(root / "base", max_positions=512)
         write_jsonl(root / "train.jsonl", [{"problem": f"{LONG_MARK if i % 2 else 'short'} problem {i}: 1+{i}?",
-                                            "answer": str(i + 1)} for i in range(12)])
-        print(f"tiny model, 12 prompts x 4 rollouts a step, half LONG ({args.long} tokens) and half short "
+                                            "answer": str(i + 1)} for i in range(args.prompts)])
+        print(f"tiny model, {args.prompts} prompts x 4 rollouts a step, half LONG ({args.long} tokens) and half short "
               f"({args.short}), {args.slots} rollouts at a time per rank, {args.steps - 1} steps counted")
         print(f"{'processes':>9} {'schedule':>9} " + " ".join(f"{name:>12}" for name, _ in COLUMNS))
         for world in args.worlds:
