@@ -114,6 +114,6 @@ def test_main_prints_the_plan_with_the_config_kv_cache(capsys):
     rs.main(["--ranks", "8", "--prompts", "64"])
     out = capsys.readouterr().out
     assert "KV cache 251,679 tokens" in out and "budget 12,288" in out and "32 rollouts" in out
-    for name in ("static (schedule=static)", "dynamic, whole prompts", "ideal (fluid bound)",
-                 "balanced (schedule.py, 64)"):
+    for name in ("static (schedule=static)", "balanced (schedule.py, 24)", "ideal (fluid bound)",
+                 "ref: by free KV, whole prompts"):
         assert name in out
