@@ -25,7 +25,8 @@ code tool at once (`tool.submit`, concurrent workers); when the result is back, 
 joins the running batch on the next step, while the others keep generating. So tool time hides behind generation
 and nobody waits for the longest turn of a round. With `sync_turns=True` every turn instead waits for all tool
 calls of the batch before generation goes on: which requests share a step (and so, under a fixed seed, what is
-sampled) then does not depend on how fast the tool answered; slower, for exact reruns.
+sampled) then does not depend on how fast the tool answered; slower, for exact reruns. Across ranks, `more` takes
+further prompts as rollouts end (schedule.py claims them from the step's shared counter).
 
 Left out: more than one call per turn (only the first runs, as the report says) and per-turn token limits.
 """
