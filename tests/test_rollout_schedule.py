@@ -117,3 +117,10 @@ def test_main_prints_the_plan_with_the_config_kv_cache(capsys):
     for name in ("static (schedule=static)", "balanced (schedule.py, 24)", "ideal (fluid bound)",
                  "ref: by free KV, whole prompts"):
         assert name in out
+
+
+def test_smaller_claims_are_a_what_if_row(capsys):
+    rs.main(["--ranks", "8", "--prompts", "64", "--claim", "4"])
+    assert "balanced (schedule.py, 24), claims of 4" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="does not divide"):
+        rs.main(["--ranks", "8", "--prompts", "64", "--claim", "5"])
