@@ -138,10 +138,11 @@ def wait_fraction(times: list[float]) -> float:
     return sum(longest - t for t in times) / (len(times) * longest) if longest > 0 else 0.0
 
 
-def balance_update(accelerator, kept: list, rollout_s: float, template: list, schedule: str) -> tuple[list, dict]:
+def balance_update(accelerator, kept: list, rollout_s: float, template: list, schedule: str) -> tuple[list, object,
+                                                                                                     dict]:
     """Before phases 7-8: this rank's kept [(trajectory, advantage, mini-batch)] -> the ones it trains on under the
-    schedule, and the step's balance metrics as {name: (value, 1)} (the same on every rank) plus "dummy", a
-    trajectory for the mask-0 filler micro-batches (the first rank's first rollout: a rank may have rolled out none).
+    schedule; a trajectory for the mask-0 filler micro-batches (the first rank's first rollout: a rank may have
+    rolled out none); and the step's balance metrics as {name: (value, 1)}, the same on every rank.
     One gather of every rank's rollout time and kept sizes; another of the rollouts that move, if any do."""
     world = accelerator.num_processes
     sizes = [(len(t.prompt_ids) + len(t.response_ids), m) for t, _, m in kept]
@@ -161,4 +162,4 @@ def balance_update(accelerator, kept: list, rollout_s: float, template: list, sc
                "perf/rollout_max_s": (max(t for t, _, _ in ranks), 1.0),
                "perf/update_token_wait_frac": (idle / busiest if busiest else 0.0, 1.0),
                "perf/update_moved_frac": (moved / max(1, sum(map(len, every))), 1.0)}
-    return exchange(accelerator, kept, dest), {**metrics, "dummy": next(t[0] for _, _, t in ranks if t)}
+    return exchange(accelerator, kept, dest), next(t[0] for _, _, t in ranks if t), metrics

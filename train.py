@@ -99,13 +99,13 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     minibatch = step_minibatches(acc, {positions[g]: len(idx) for g, idx in zip(groups, kept_idx)}, cfg)
     # ---------------------------------------------------------------- 7-8. old log-probs, policy update
     # ... on rollouts spread over ranks by their tokens (schedule.py: under `static`, each rank's own)
-    trained, balance = balance_update(acc, list(zip(kept, adv, minibatch)), t_rollout, trajs[:1], cfg.schedule)
+    trained, dummy, balance = balance_update(acc, list(zip(kept, adv, minibatch)), t_rollout, trajs[:1], cfg.schedule)
     t1 = time.perf_counter()
     if hasattr(run.sampler, "sleep"):
         run.sampler.sleep()  # colocated vLLM: free the GPU memory of its weights and KV cache for the update
     lr = run.scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
     sums = {k if "/" in k else f"loss/{k}": v for k, v in update_policy(
-        acc, run.model, run.optimizer, run.scheduler, trained, balance.pop("dummy"), cfg, run.pad_id).items()}
+        acc, run.model, run.optimizer, run.scheduler, trained, dummy, cfg, run.pad_id).items()}
     t_update = time.perf_counter() - t1
     # ---------------------------------------------------------------- 9. hand the new weights to the sampler
     run.handoff_check = handoff.sync(acc, run.model, run.sampler, run.probe, f"after step {step + 1}",
