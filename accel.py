@@ -25,7 +25,14 @@ leaves to the caller.
 Plain `python sft.py` / `train.py` on one process builds the same Accelerator; the policy applies only under an FSDP
 launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tests/cpu_fsdp.py on CPU processes).
 `is_sharded` and `full` are the two questions both loops ask of FSDP2's DTensors.
+
+4. The end of the process group (`process_group_ends`, around each entry point's work). A process that exits with
+   its process group alive leaves gloo's (and NCCL's) C++ worker threads running into interpreter finalization;
+   one in a few such exits then dies in `terminate called without an active exception` (SIGABRT, exit code -6)
+   after the work is done and saved, which every launcher and scheduler reads as a crash (pytorch/pytorch#190489).
+   `Accelerator.end_training` destroys the group on the way out of a finished run; the error paths need it too.
 """
+import contextlib
 import os
 from datetime import timedelta
 
@@ -76,6 +83,38 @@ def make_accelerator(*, mixed_precision: str, report_to: str | None, out_dir: st
                        gradient_accumulation_steps=gradient_accumulation_steps, log_with=report_to or None,
                        project_dir=out_dir, fsdp_plugin=fsdp_plugin(mixed_precision),
                        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))])
+
+
+def end_process_group(failed: bool = False) -> None:
+    """Destroy the default process group if one is up (a no-op otherwise, and after `Accelerator.end_training`).
+    On an error path (`failed`) an NCCL group is aborted instead: a graceful destroy waits for work that a dead or
+    stuck peer may never finish; and nothing raised here hides the error that brought the rank out."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if failed and dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 (a group broken by a peer's failure; the process ends anyway)
+        if not failed:
+            raise
+
+
+@contextlib.contextmanager
+def process_group_ends():
+    """Around an entry point's work: the process group it starts is ended on every way out, returns, errors and
+    SystemExit alike (point 4 above)."""
+    try:
+        yield
+    except SystemExit as e:
+        end_process_group(failed=e.code not in (None, 0))
+        raise
+    except BaseException:
+        end_process_group(failed=True)
+        raise
+    end_process_group()
 
 
 def mixed_precision_policy(model) -> dict[str, tuple]:

@@ -431,14 +431,6 @@ def gather_to_main(obj, rank: int, world: int) -> list | None:
     return gathered
 
 
-def end_ranks(world: int) -> None:
-    """Tear the process group down once every rank is done (NCCL warns about a group left at exit)."""
-    if world > 1:
-        import torch.distributed as dist
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def record_scores(record: dict):
     """What `summarize` reads of a rollout, back from its trajectories.jsonl record: the ranks send records (no
     token ids) to the main process, which summarizes the whole benchmark. response_ids is a range of the right
@@ -531,6 +523,13 @@ def run(cfg: EvalConfig) -> dict | None:
     its trajectories are on disk); a rerun with the same config keeps finished benchmarks and does the rest.
     Under a launcher each rank plays its share of every benchmark and the main process writes everything; it
     returns the results, the other ranks None."""
+    import accel
+    with accel.process_group_ends():  # the group start_ranks sets up, on every way out (accel.py, point 4)
+        return evaluate_benchmarks(cfg)
+
+
+def evaluate_benchmarks(cfg: EvalConfig) -> dict | None:
+    """`run`'s work, within the process group's lifetime."""
     check_config(cfg)
     check_launch(cfg)
     from transformers import set_seed
@@ -602,7 +601,7 @@ def run(cfg: EvalConfig) -> dict | None:
                 results[name] = metrics
                 atomic_write_text(out / "results.json", json.dumps(
                     {"model_path": cfg.model_path, "benchmarks": results, "identity": identity}, indent=1))
-    end_ranks(world)
+    barrier(world)  # every rank is done; `run` then ends the process group
     if not main:
         return None
     results = {name: results[name] for name, _ in benches}

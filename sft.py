@@ -475,6 +475,12 @@ def training_data(acc: Accelerator, cfg: SFTConfig, tokenizer, chat, conversatio
 
 def train(cfg: SFTConfig) -> Path:
     """Run SFT as configured (continuing from a checkpoint where there is one); returns the saved model's folder."""
+    with accel.process_group_ends():  # on every way out, errors included (accel.py, point 4)
+        return run_sft(cfg)
+
+
+def run_sft(cfg: SFTConfig) -> Path:
+    """The set-up, the loop and model/ of `train`."""
     from transformers import AutoTokenizer
     chat, conversations = check_inputs(cfg)
     try:  # before out_dir is touched

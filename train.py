@@ -556,6 +556,12 @@ def main(argv=None) -> None:
         validate(cfg, world)
         print("\n".join(plan_lines(cfg, world)))
         return
+    with accel.process_group_ends():  # on every way out, errors included (accel.py, point 4)
+        run_stage(cfg)
+
+
+def run_stage(cfg: TrainConfig) -> None:
+    """Set-up, the steps (each logged and checkpointed), model/ at the end."""
     step, run = setup(cfg)
     acc, log_path = run.accelerator, run.out / "metrics.jsonl"
     bar = tqdm(total=cfg.steps, initial=step, desc=f"stage {cfg.stage}", disable=not acc.is_main_process)

@@ -20,56 +20,56 @@ import torch  # noqa: E402
 
 import accel  # noqa: E402
 
-if __name__ == "__main__":
-    if os.environ.get("CPU_FSDP") == "1":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import cpu_fsdp
-        cpu_fsdp.enable()
-    mode, out = sys.argv[1], Path(sys.argv[2])
-    rank = int(os.environ.get("RANK", 0))
-    if mode == "timeout":
-        acc = accel.make_accelerator(mixed_precision="no", report_to=None, out_dir=str(out), timeout_s=3)
-        x = torch.ones(1)
-        torch.distributed.barrier()
-        if rank == 1:
-            time.sleep(20)
-        t0, error = time.perf_counter(), None
-        try:
-            torch.distributed.all_reduce(x)
-        except Exception as e:  # noqa: BLE001 (gloo raises RuntimeError or DistBackendError, by version)
-            error = f"{type(e).__name__}: {e}"
-        (out / f"rank{rank}.json").write_text(json.dumps({"waited_s": time.perf_counter() - t0, "error": error}))
-        os._exit(0)  # the group is broken: skip the shutdown's collectives
+def timeout(out: Path, rank: int) -> None:
+    acc = accel.make_accelerator(mixed_precision="no", report_to=None, out_dir=str(out), timeout_s=3)
+    x = torch.ones(1)
+    torch.distributed.barrier()
+    if rank == 1:
+        time.sleep(20)
+    t0, error = time.perf_counter(), None
+    try:
+        torch.distributed.all_reduce(x)
+    except Exception as e:  # noqa: BLE001 (gloo raises RuntimeError or DistBackendError, by version)
+        error = f"{type(e).__name__}: {e}"
+    (out / f"rank{rank}.json").write_text(json.dumps({"waited_s": time.perf_counter() - t0, "error": error}))
+    # The group is broken (a peer timed out): end the process at once. os._exit runs no C++ destructor, so the
+    # worker threads cannot abort the exit the way a group left alive at a normal exit can (accel.py, point 4).
+    os._exit(0)
+
+
+def reshard(out: Path, rank: int) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    if mode == "reshard":
-        from tiny import model as tiny_model
-        acc = accel.make_accelerator(mixed_precision="bf16", report_to=None, out_dir=str(out), timeout_s=60)
-        torch.manual_seed(0)
-        tied = tiny_model.build_model(tiny_model.build_tokenizer(), hidden=32, layers=2, heads=2)
-        untied = Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                              num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                              vocab_size=64, tie_word_embeddings=False))
-        record = {}
-        for name, model in (("tied", tied), ("untied", untied)):
-            model, _ = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))  # as train.py does
-            ids = torch.randint(0, 64, (1, 8))
-            seen = {}
-            with torch.no_grad():
-                first = model(input_ids=ids).logits.float()
-            seen["after_forward"] = accel.gathered_parameters(model)
-            accel.reshard(model)
-            seen["after_reshard"] = accel.gathered_parameters(model)
-            with torch.no_grad():
-                again = model(input_ids=ids).logits.float()
-            accel.reshard(model)
-            seen["after_second_reshard"] = accel.gathered_parameters(model)
-            seen["same_logits"] = torch.equal(first, again)
-            acc.backward(model(input_ids=ids, labels=ids).loss)
-            seen["after_backward"] = accel.gathered_parameters(model)
-            seen["grads"] = sum(p.grad is not None for p in model.parameters())
-            record[name] = seen
-        (out / f"rank{rank}.json").write_text(json.dumps(record))
-        sys.exit(0)
+    from tiny import model as tiny_model
+    acc = accel.make_accelerator(mixed_precision="bf16", report_to=None, out_dir=str(out), timeout_s=60)
+    torch.manual_seed(0)
+    tied = tiny_model.build_model(tiny_model.build_tokenizer(), hidden=32, layers=2, heads=2)
+    untied = Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                          vocab_size=64, tie_word_embeddings=False))
+    record = {}
+    for name, model in (("tied", tied), ("untied", untied)):
+        model, _ = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))  # as train.py does
+        ids = torch.randint(0, 64, (1, 8))
+        seen = {}
+        with torch.no_grad():
+            first = model(input_ids=ids).logits.float()
+        seen["after_forward"] = accel.gathered_parameters(model)
+        accel.reshard(model)
+        seen["after_reshard"] = accel.gathered_parameters(model)
+        with torch.no_grad():
+            again = model(input_ids=ids).logits.float()
+        accel.reshard(model)
+        seen["after_second_reshard"] = accel.gathered_parameters(model)
+        seen["same_logits"] = torch.equal(first, again)
+        acc.backward(model(input_ids=ids, labels=ids).loss)
+        seen["after_backward"] = accel.gathered_parameters(model)
+        seen["grads"] = sum(p.grad is not None for p in model.parameters())
+        record[name] = seen
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def policy(mode: str, out: Path, rank: int) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
     if mode == "default-policy":
         import accelerate
         acc = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
@@ -87,3 +87,19 @@ if __name__ == "__main__":
     params = sorted({str(p.dtype) for p in model.parameters()})
     (out / f"rank{rank}.json").write_text(json.dumps({"policy": policy, "grads": grads, "params": params,
                                                      "distributed_type": str(acc.distributed_type)}))
+
+
+if __name__ == "__main__":
+    if os.environ.get("CPU_FSDP") == "1":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import cpu_fsdp
+        cpu_fsdp.enable()
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    rank = int(os.environ.get("RANK", 0))
+    with accel.process_group_ends():  # every way out ends the group, as the entry points do
+        if mode == "timeout":
+            timeout(out, rank)
+        elif mode == "reshard":
+            reshard(out, rank)
+        else:
+            policy(mode, out, rank)

@@ -439,6 +439,7 @@ tokens = sampler.generate([[5, 6, 7]], [16], temperature=1.0)[0].token_ids
 json.dump({{"seed": config.model_config.seed, "backend": config.parallel_config.distributed_executor_backend,
            "worker": worker, "tokens": tokens}}, open({str(tmp_path)!r} + f"/rank{{state.process_index}}.json", "w"))
 sampler.close()
+state.destroy_process_group()  # a group left alive at exit can abort the interpreter's shutdown (accel.py)
 """)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"]
     done = subprocess.run(torchrun + [str(script)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
