@@ -532,8 +532,7 @@ def evaluate_benchmarks(cfg: EvalConfig) -> dict | None:
     """`run`'s work, within the process group's lifetime."""
     check_config(cfg)
     check_launch(cfg)
-    from transformers import set_seed
-    from code_tool import CodeTool, SandboxError, announce, choose_sandbox
+    from code_tool import SandboxError, announce, choose_sandbox
     try:  # where and how model code runs (code_tool.py's sandbox modes)
         sandbox = choose_sandbox(cfg.tool_backend, cfg.tool_require_isolation)
     except SandboxError as e:
@@ -566,42 +565,17 @@ def evaluate_benchmarks(cfg: EvalConfig) -> dict | None:
     todo = [(name, problems) for name, problems in benches if name not in results]
     if len(todo) < len(benches):
         say(f"kept from the earlier run in {out}: {', '.join(results)} (overwrite=true evaluates them again)")
-    if todo:
-        threads = cpu_threads.set_torch_threads(cfg.torch_threads)  # on every rank
-        say(f"{threads} torch thread(s)" + (f" on each of {world} ranks" if world > 1 else ""))
-        sampler, tokenizer = load_model(cfg)
-        fmt = chat_format_of(cfg)
-        tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
-                        max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
-                        require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)
-        default_pool().start()  # the answer checkers import sympy while the first rollouts run, not after them
-        with tool, (traj_file.open("a", encoding="utf-8") if main else contextlib.nullcontext()) as f:
-            for name, problems in todo:
-                say(f"{name}: {len(problems)} problems x {k} samples" + (f" on {world} ranks" if world > 1 else ""))
-                # Each benchmark's samples do not depend on which benchmarks ran before it; each rank samples its
-                # own rollouts (seed + rank: one process has rank 0, so its samples are those of before).
-                set_seed(rank_seed(cfg.seed, rank))
-                start = time.perf_counter()
-                mine = rank_share(len(problems), rank, world)
-                trajs, timeouts = roll_and_score(
-                    [problems[i] for i in mine], sampler, tool, tokenizer, fmt, k, cfg.max_response_tokens,
-                    cfg.max_turns, cfg.temperature, cfg.top_p, cfg.batch_size, cfg.sync_turns,
-                    progress=main) if mine else ([], 0)
-                records = [trajectory_record(name, problems[mine[t // k]], mine[t // k], t % k, traj)
-                           for t, traj in enumerate(trajs)]
-                shares = gather_to_main((records, timeouts), rank, world)
-                if not main:
-                    continue
-                records, metrics = merge_shares(shares, k)
-                metrics["seconds"] = time.perf_counter() - start  # rollouts and scoring on every rank (wall clock)
-                for record in records:  # on disk before results.json names the benchmark
-                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-                results[name] = metrics
-                atomic_write_text(out / "results.json", json.dumps(
-                    {"model_path": cfg.model_path, "benchmarks": results, "identity": identity}, indent=1))
-    barrier(world)  # every rank is done; `run` then ends the process group
+    sampler = None
+    try:
+        if todo:
+            threads = cpu_threads.set_torch_threads(cfg.torch_threads)  # on every rank
+            say(f"{threads} torch thread(s)" + (f" on each of {world} ranks" if world > 1 else ""))
+            sampler, tokenizer = load_model(cfg)
+            evaluate_todo(cfg, todo, results, identity, sampler, tokenizer, rank, world, traj_file)
+        barrier(world)  # every rank is done; `run` then ends the process group
+    finally:
+        if hasattr(sampler, "close"):  # vLLM, on every way out: after the last collective, before the process group
+            sampler.close()            # ends under it (see VLLMSampler.close)
     if not main:
         return None
     results = {name: results[name] for name, _ in benches}
@@ -613,6 +587,47 @@ def evaluate_benchmarks(cfg: EvalConfig) -> dict | None:
         write_jsonl(cfg.unsolved_out, missed)
         print(f"wrote {cfg.unsolved_out}: {len(missed)} problems solved fewer than {k} of {k} times")
     return results
+
+
+def evaluate_todo(cfg: EvalConfig, todo: list, results: dict, identity: dict, sampler, tokenizer, rank: int,
+                  world: int, traj_file: Path) -> None:
+    """The benchmarks not finished yet, each rank its share; the main process writes their trajectories and adds
+    each to results (and results.json) as it ends."""
+    from transformers import set_seed
+    from code_tool import CodeTool
+    main, k, out = rank == 0, cfg.samples, traj_file.parent
+    say = print if main else (lambda *args: None)
+    fmt = chat_format_of(cfg)
+    tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
+                    max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
+                    require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)
+    default_pool().start()  # the answer checkers import sympy while the first rollouts run, not after them
+    with tool, (traj_file.open("a", encoding="utf-8") if main else contextlib.nullcontext()) as f:
+        for name, problems in todo:
+            say(f"{name}: {len(problems)} problems x {k} samples" + (f" on {world} ranks" if world > 1 else ""))
+            # Each benchmark's samples do not depend on which benchmarks ran before it; each rank samples its
+            # own rollouts (seed + rank: one process has rank 0, so its samples are those of before).
+            set_seed(rank_seed(cfg.seed, rank))
+            start = time.perf_counter()
+            mine = rank_share(len(problems), rank, world)
+            trajs, timeouts = roll_and_score(
+                [problems[i] for i in mine], sampler, tool, tokenizer, fmt, k, cfg.max_response_tokens,
+                cfg.max_turns, cfg.temperature, cfg.top_p, cfg.batch_size, cfg.sync_turns,
+                progress=main) if mine else ([], 0)
+            records = [trajectory_record(name, problems[mine[t // k]], mine[t // k], t % k, traj)
+                       for t, traj in enumerate(trajs)]
+            shares = gather_to_main((records, timeouts), rank, world)
+            if not main:
+                continue
+            records, metrics = merge_shares(shares, k)
+            metrics["seconds"] = time.perf_counter() - start  # rollouts and scoring on every rank (wall clock)
+            for record in records:  # on disk before results.json names the benchmark
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            results[name] = metrics
+            atomic_write_text(out / "results.json", json.dumps(
+                {"model_path": cfg.model_path, "benchmarks": results, "identity": identity}, indent=1))
 
 
 def main(argv=None) -> None:
