@@ -158,6 +158,19 @@ def gathered_parameters(model) -> dict[str, int]:
             if not isinstance(p, DTensor)}
 
 
+def defer_replica_all_reduce(model, deferred: bool) -> None:
+    """Under HSDP (FSDP2 on a 2-D mesh: shards within a node, replicas across nodes), a micro-batch's gradient is
+    reduce-scattered within the node and then all-reduced across the replicas. deferred=True keeps each reduced
+    shard in FSDP2's partial buffer (a shard's size, in the reduce dtype) without the cross-node all-reduce; the
+    next micro-batch's shard is added to it, and the first backward with deferred=False all-reduces the sum once
+    (FSDPModule.set_requires_all_reduce; torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
+    `foreach_reduce`). Without replicas there is no such all-reduce: a no-op, as it is without FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_all_reduce(not deferred, recurse=False)
+
+
 def is_sharded(model) -> bool:
     """True when FSDP has split the model's parameters over ranks (DTensors): no rank holds the whole model."""
     from torch.distributed.tensor import DTensor
@@ -199,3 +212,22 @@ def all_gather(accelerator, obj) -> list:
     out = [None] * accelerator.num_processes
     torch.distributed.all_gather_object(out, obj)
     return out
+
+
+def all_gather_rows(accelerator, rows: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's (n_r, k) tensor of numbers, in rank order, on the CPU; n_r may differ between ranks (one gather
+    of the counts, one of the rows padded to the longest). [rows] on one process."""
+    if accelerator.num_processes == 1:
+        return [rows]
+    world, device = accelerator.num_processes, accelerator.device
+    count = torch.tensor([rows.shape[0]], device=device)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    torch.distributed.all_gather(counts, count)
+    counts = [int(c) for c in counts]
+    if not max(counts):
+        return [rows[:0].cpu() for _ in range(world)]
+    padded = torch.zeros((max(counts), rows.shape[1]), dtype=rows.dtype, device=device)
+    padded[:rows.shape[0]] = rows.to(device)
+    parts = [torch.zeros_like(padded) for _ in range(world)]
+    torch.distributed.all_gather(parts, padded)
+    return [p[:c].cpu() for p, c in zip(parts, counts)]

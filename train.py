@@ -54,74 +54,63 @@ from samplers.hf import HFSampler
 from logprobs import sampled_logprobs
 from tools.plots import plot_curves
 import handoff
-from grpo_roc import (ROC_SELECTORS, drop_equal_groups, group_advantages, penalty_total, policy_loss,
-                      resample_on_correct, sequence_mean_policy_loss)
+from grpo_roc import ROC_SELECTORS, penalty_total, policy_loss, select_step, sequence_mean_policy_loss
 from mismatch import mismatch_sums, sequence_log_ratios, sequence_mask_weights, sequence_mismatch, truncated_is_weights
 from protocol import chat_format_of, encode
 from reward import check_many, default_pool, extract_answer
 from rollout import rollout, rollout_sums
 from samplers.vllm_engine import VLLMSampler
-from schedule import SCHEDULES, balance_update, step_claims
+from schedule import (FILLER_TOKENS, SCHEDULES, MicroBatch, filler_row, gather_scores, layout_for, step_claims,
+                      update_work, wait_fraction)
 from train_config import RANGES, RESUME_FREE, USAGE, TrainConfig, check_inputs, plan_lines
 
 # ============================================================================ one RL step (phases 1-9)
 def train_step(step: int, cfg: TrainConfig, run) -> dict:
     """Phases 1-9 for one step on this rank; returns {name: (sum, count)} to be reduced over ranks."""
-    acc, K = run.accelerator, cfg.rollouts_per_prompt
+    acc, K, B = run.accelerator, cfg.rollouts_per_prompt, cfg.prompts_per_step
     t0 = time.perf_counter()
     # ---------------------------------------------------------------- 1-2. claim prompts, 2G rollouts of each
-    indices = prompt_indices(step, cfg.prompts_per_step, len(run.problems), cfg.seed)
+    indices = prompt_indices(step, B, len(run.problems), cfg.seed)
     claims = step_claims(cfg.schedule, step, [run.problems[i]["problem"] for i in indices], K,
                          cfg.rollout_batch_size, acc)
     trajs = rollout([], run.sampler, run.tool, run.tokenizer, run.fmt, max_response_tokens=cfg.max_response_tokens,
                     max_turns=cfg.max_turns, temperature=cfg.temperature, top_p=cfg.top_p,
                     sync_turns=cfg.sync_turns, progress=acc.is_local_main_process, more=claims)
     t_rollout = time.perf_counter() - t0
-    positions = claims.positions  # the step positions of the groups this rank rolled out, in claiming order
-    problems = [run.problems[indices[g]] for g in positions]
     # ---------------------------------------------------------------- 3. reward: 0/1 on the final answer
-    golds = [problems[i // K]["answer"] for i in range(len(trajs))]
+    golds = [run.problems[indices[slot // K]]["answer"] for slot in claims.slots]
     verdicts = check_many([extract_answer(t.text) for t in trajs], golds)
-    rewards = [float(v.correct) for v in verdicts]
-    for t, r in zip(trajs, rewards):
-        t.reward = r
-    # ---------------------------------------------------------------- 4-5. drop equal groups, Resample-on-Correct
-    grouped = [rewards[g * K:(g + 1) * K] for g in range(len(problems))]
-    penalties = [[penalty_total(t.num_tool_calls, t.num_failed_tool_calls, t.num_answer_blocks, t.num_turns)
-                  for t in trajs[g * K:(g + 1) * K]] for g in range(len(problems))]
-    gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 10_007 + g) for g in positions]
-    groups, kept_idx = select_rollouts(grouped, penalties, cfg.group_size, cfg.roc_mode, gens)
-    kept = [trajs[g * K + i] for g, idx in zip(groups, kept_idx) for i in idx]
-    # ---------------------------------------------------------------- 6. advantages per kept group
+    for t, v in zip(trajs, verdicts):
+        t.reward = float(v.correct)
+    # ---------------------------------------------------------------- 4-6. drop equal groups, RoC, advantages
+    # ... on the whole step: every rank gathers every rollout's reward and penalty counts (not its tokens)
+    scores = gather_scores(acc, claims.slots, trajs)
+    rewards, penalties = step_grids(scores, B, K)
+    gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 10_007 + g) for g in range(B)]
     # A_i = (r_i - mean_group) / (std_group + 1e-6), unbiased std, every token of rollout i gets A_i
-    kept_rewards = torch.tensor([t.reward for t in kept], dtype=torch.float)
-    adv = group_advantages(kept_rewards, len(kept_idx[0])).tolist() if kept else []
-    minibatch = step_minibatches(acc, {positions[g]: len(idx) for g, idx in zip(groups, kept_idx)}, cfg)
+    groups, kept_idx, adv = select_step(rewards, penalties, cfg.group_size, cfg.roc_mode, gens)
+    kept = kept_slots(groups, kept_idx, adv, K, cfg)  # slot -> (advantage, mini-batch)
     # ---------------------------------------------------------------- 7-8. old log-probs, policy update
-    # ... on rollouts spread over ranks by their tokens (schedule.py: under `static`, each rank's own)
-    trained, dummy, balance = balance_update(acc, list(zip(kept, adv, minibatch)), t_rollout, trajs[:1], cfg.schedule)
+    # ... on micro-batch slots balanced over ranks by tokens (schedule.py: under `static`, each rank's own)
     t1 = time.perf_counter()
     if hasattr(run.sampler, "sleep"):
         run.sampler.sleep()  # colocated vLLM: free the GPU memory of its weights and KV cache for the update
+    work, plan = update_work(acc, scores, kept, dict(zip(claims.slots, trajs)), cfg.updates_per_step,
+                             cfg.max_tokens_per_micro_batch, cfg.micro_batch_size, cfg.schedule,
+                             layout_for(cfg.max_tokens_per_micro_batch, run.one_row))
     lr = run.scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
     sums = {k if "/" in k else f"loss/{k}": v for k, v in update_policy(
-        acc, run.model, run.optimizer, run.scheduler, trained, dummy, cfg, run.pad_id).items()}
+        acc, run.model, run.optimizer, run.scheduler, work, cfg, run.pad_id).items()}
     t_update = time.perf_counter() - t1
     # ---------------------------------------------------------------- 9. hand the new weights to the sampler
     run.handoff_check = handoff.sync(acc, run.model, run.sampler, run.probe, f"after step {step + 1}",
                                      run.handoff_check)
     # ---------------------------------------------------------------- statistics for the log
-    sums.update({f"rollout/{k}": v for k, v in rollout_sums(trajs, rewards).items()})
-    kept_pos = [t for t in kept if t.reward > 0]
-    sampled = sum(sum(t.loss_mask) for t in trajs)
+    sums.update({f"rollout/{k}": v for k, v in rollout_sums(trajs, [t.reward for t in trajs]).items()})
+    sums.update(shared_sums(acc.num_processes, {**roc_stats(scores, groups, kept, K), **plan}))
+    sums.update(rollout_wait(acc, t_rollout))
     sums.update({
-        "roc/equal_group_frac": (len(problems) - len(groups), len(problems)),
-        "roc/pos_kept_mean": (len(kept_pos), len(groups)),
-        "roc/neg_kept_mean": (len(kept) - len(kept_pos), len(groups)),
-        "roc/tool_error_rate_in_correct": (sum(t.num_failed_tool_calls for t in kept_pos),
-                                           sum(t.num_tool_calls for t in kept_pos)),
-        **balance,
-        "perf/tokens_per_s": (sampled, t_rollout),
+        "perf/tokens_per_s": (sum(sum(t.loss_mask) for t in trajs), t_rollout),
         "perf/rollout_s": (t_rollout, 1.0),
         "perf/update_s": (t_update, 1.0),
         "perf/step_s": (time.perf_counter() - t0, 1.0),
@@ -133,7 +122,7 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
 
 # ============================================================================ the policy update (phases 7-8)
 # Loss aggregation, for ablations: config string -> (loss function, what its `normaliser` counts over the whole
-# mini-batch, a key of `global_counts`), picked at update_policy's one call site.
+# mini-batch, a key of RankWork.counts), picked at update_policy's one call site.
 LOSSES = {"token": (policy_loss, "tokens"), "sequence": (sequence_mean_policy_loss, "sequences")}
 # Mismatch corrections (mismatch.py): config -> the per-token loss weights; None: no correction (the report's loss).
 CORRECTIONS = {
@@ -143,26 +132,27 @@ CORRECTIONS = {
 }
 
 
-def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, cfg, pad_id: int) -> dict:
-    """Phases 7-8 on this rank's kept [(trajectory, advantage, mini-batch index)] (`minibatch_of`). Returns metrics
-    as {name: (sum, count)}: the loss's, and the sampler-trainer gap on the kept rollouts' sampled tokens
-    (`mismatch/*`, from the old log-probs the update computes anyway)."""
+def update_policy(accelerator, model, optimizer, scheduler, work, cfg, pad_id: int) -> dict:
+    """Phases 7-8 on this rank's part of the step's update (schedule.RankWork: its micro-batch slots of every
+    mini-batch, the same number of slots on every rank). Returns metrics as {name: (sum, count)}: the loss's, and
+    the sampler-trainer gap on the kept rollouts' sampled tokens (`mismatch/*`, from the old log-probs the update
+    computes anyway)."""
     world = accelerator.num_processes
     loss_fn, counted = LOSSES[cfg.loss_agg]
     correction = CORRECTIONS[cfg.mismatch_correction](cfg)
-    minibatches = rank_micro_batches(accelerator, kept, dummy, cfg.updates_per_step, cfg.micro_batch_size, pad_id)
-    measured = all("sampler_logp" in batch for micro in minibatches for batch, _, _ in micro)  # the gap is measured
-    if correction and not measured:
+    if correction and not work.measured:
         raise SystemExit(f"config error: mismatch_correction={cfg.mismatch_correction} needs the sampler's "
                          "log-probs, and this sampler gives none")
+    minibatches = [[make_batch(micro, pad_id, work.measured, cfg.max_tokens_per_micro_batch, accelerator.device)
+                    for micro in slots] for slots in work.minibatches]
     # Phase 7: old log-probs under the policy before this step's first update.
     old = old_logprobs(model, minibatches, cfg.temperature)
     # Phase 8: `updates_per_step` optimizer steps (mini-batches), each accumulating its micro-batches.
     sums, seq_log_ratios = {}, []
-    for micro, micro_old in zip(minibatches, old):
+    for micro, micro_old, counts in zip(minibatches, old, work.counts):
         # The normaliser, over ALL ranks and micro-batches of this mini-batch: unmasked tokens (token-level loss)
-        # or sequences (sequence-mean ablation).
-        normaliser = global_counts(accelerator, micro)[counted]
+        # or sequences (sequence-mean ablation); every rank knows it from the gathered scores.
+        normaliser = counts[counted]
         loss_sum = 0.0
         for j, ((batch, adv, n), old_logp) in enumerate(zip(micro, micro_old)):
             with gradient_sync(accelerator, model, last=j == len(micro) - 1):
@@ -175,7 +165,7 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
                 # x world: DDP/FSDP average gradients over ranks, and the normaliser already counts every rank.
                 accelerator.backward(loss * world)
             loss_sum += loss.item()
-            add_micro_batch_metrics(sums, seq_log_ratios, metrics, batch, n, old_logp, weights, measured)
+            add_micro_batch_metrics(sums, seq_log_ratios, metrics, batch, n, old_logp, weights, work.measured)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         check_finite(accelerator, loss_sum, grad_norm)
         optimizer.step()
@@ -184,25 +174,9 @@ def update_policy(accelerator, model, optimizer, scheduler, kept: list, dummy, c
         # Each rank adds its share; reduce_sums divides the global sum by updates_per_step.
         _add(sums, "policy", loss_sum, 1.0 / world)
         _add(sums, "grad_norm", float(accel.full(grad_norm)) / world, 1.0 / world)
-    if measured:  # the sequence-level gap over every rank's kept rollouts: the same numbers on every rank
+    if work.measured:  # the sequence-level gap over every rank's kept rollouts: the same numbers on every rank
         add_sequence_mismatch(sums, seq_log_ratios)
     return sums
-
-
-def rank_micro_batches(accelerator, kept: list, dummy, updates: int, size: int, pad_id: int) -> list[list[tuple]]:
-    """This rank's micro-batches of each mini-batch, on its device: [[(batch, advantages (n,), n)]], n the rollouts
-    in it (0 for the mask-0 filler of `make_batch`)."""
-    # Within each mini-batch, micro-batches of similar length: each is padded to its longest sequence (one
-    # truncated rollout would otherwise pad a whole micro-batch to the budget). The loss sums over the
-    # mini-batch's tokens, so the order inside it changes nothing.
-    mine = [sorted([(t, a) for t, a, m in kept if m == u], key=lambda item: len(item[0].prompt_ids)
-                   + len(item[0].response_ids)) for u in range(updates)]
-    # Every rank runs the same number of micro-batches in each mini-batch (the most any rank needs; the first
-    # mini-batch at least one, so a step whose groups were all dropped still steps AdamW as it always has).
-    counts = accel.all_max(accelerator, [math.ceil(len(m) / size) for m in mine])
-    counts[0] = max(counts[0], 1)
-    return [[(*make_batch(chunk, dummy, pad_id, accelerator.device), len(chunk))
-             for chunk in micro_batches(m, size, int(count))] for m, count in zip(mine, counts)]
 
 
 def old_logprobs(model, minibatches: list[list[tuple]], temperature: float) -> list[list]:
@@ -217,19 +191,16 @@ def old_logprobs(model, minibatches: list[list[tuple]], temperature: float) -> l
     return old
 
 
-def global_counts(accelerator, micro: list[tuple]) -> dict:
-    """What a loss's normaliser counts, summed over ALL ranks' micro-batches of one mini-batch: the unmasked
-    tokens and the sequences (rollouts, not the mask-0 filler)."""
-    tokens, sequences = accel.all_sum(accelerator, [sum(batch["loss_mask"].sum().item() for batch, _, _ in micro),
-                                              sum(n for _, _, n in micro)])
-    return {"tokens": tokens, "sequences": sequences}
-
-
 def gradient_sync(accelerator, model, last: bool):
     """The context of one micro-batch's backward: gradients synced over ranks at the mini-batch's last one, held
     back before it (`no_sync`). Under FSDP, skipping the sync would keep a whole unsharded gradient on every GPU
-    until the last micro-batch; instead each micro-batch's gradient is reduce-scattered into the shards as it comes."""
-    return contextlib.nullcontext() if last or accel.is_sharded(model) else accelerator.no_sync(model)
+    until the last micro-batch; instead each micro-batch's gradient is reduce-scattered into the shards as it comes,
+    and under HSDP (shards within a node, replicas across nodes) the replicas' all-reduce of those shards waits for
+    the last micro-batch (`accel.defer_replica_all_reduce`: one all-reduce per optimizer step, not per micro-batch)."""
+    if accel.is_sharded(model):
+        accel.defer_replica_all_reduce(model, deferred=not last)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if last else accelerator.no_sync(model)
 
 
 def add_micro_batch_metrics(sums: dict, seq_log_ratios: list, metrics: dict, batch: dict, n: int, old_logp,
@@ -244,7 +215,7 @@ def add_micro_batch_metrics(sums: dict, seq_log_ratios: list, metrics: dict, bat
         for k, (total, count) in mismatch_sums(old_logp, batch["sampler_logp"], batch["loss_mask"]).items():
             _add(sums, f"mismatch/{k}", total, count)
         log_w = sequence_log_ratios(old_logp, batch["sampler_logp"], batch["loss_mask"])
-        seq_log_ratios.extend(log_w[:n].tolist())  # not the mask-0 filler of an empty chunk
+        seq_log_ratios.extend(log_w[:n].tolist())  # not a filler's
     if weights is not None:
         _add(sums, "mismatch/correction_weight_mean", float((weights * batch["loss_mask"]).sum()), w)
 
@@ -262,16 +233,50 @@ def check_finite(accelerator, loss_sum: float, grad_norm) -> None:
         raise FloatingPointError(f"the loss ({loss_sum}) or gradient norm ({float(grad_norm)}) is not finite")
 
 
-def step_minibatches(accelerator, kept_counts: dict[int, int], cfg: TrainConfig) -> list[int]:
-    """The mini-batch of each of this rank's kept rollouts, in order. kept_counts: {global group position: rollouts
-    kept} for this rank's groups with signal; every group's count over the whole step (summed over ranks) goes to
-    `minibatch_of`, so the cut does not depend on how many ranks share the step."""
-    per_group = [0] * cfg.prompts_per_step
-    for g, k in kept_counts.items():
-        per_group[g] = k
-    every = minibatch_of([int(k) for k in accel.all_sum(accelerator, per_group)], cfg.updates_per_step,
-                         cfg.micro_batch_size)
-    return [m for g in kept_counts for m in every[g]]
+# ============================================================================ the step's bookkeeping (every rank)
+def step_grids(scores: list, groups: int, per_group: int) -> tuple[list[list[float]], list[list[float]]]:
+    """(rewards, penalties), each (B, 2G), from the gathered scores of the step's B x 2G rollouts."""
+    if [s.slot for s in scores] != list(range(groups * per_group)):
+        raise RuntimeError(f"the step's rollouts were not each rolled out once: {len(scores)} scores for "
+                           f"{groups * per_group} rollouts")
+    rewards = [[s.reward for s in scores[g * per_group:(g + 1) * per_group]] for g in range(groups)]
+    penalties = [[penalty_total(s.tool_calls, s.failed_calls, s.answer_blocks, s.turns)
+                  for s in scores[g * per_group:(g + 1) * per_group]] for g in range(groups)]
+    return rewards, penalties
+
+
+def kept_slots(groups: list[int], kept_idx: list[list[int]], adv: list[list[float]], per_group: int,
+               cfg: TrainConfig) -> dict[int, tuple[float, int]]:
+    """Every kept rollout of the step: slot -> (advantage, mini-batch), the mini-batches cut by `minibatch_of`."""
+    counts = [0] * cfg.prompts_per_step
+    for g, idx in zip(groups, kept_idx):
+        counts[g] = len(idx)
+    every = minibatch_of(counts, cfg.updates_per_step, 1 if cfg.max_tokens_per_micro_batch else cfg.micro_batch_size)
+    return {g * per_group + i: (a, m) for g, idx, advs in zip(groups, kept_idx, adv)
+            for i, a, m in zip(idx, advs, every[g])}
+
+
+def roc_stats(scores: list, groups: list[int], kept: dict, per_group: int) -> dict:
+    """The step's RoC statistics from the gathered scores, as {name: (sum, count)}."""
+    n_groups = len(scores) // per_group
+    pos = [scores[s] for s in kept if scores[s].reward > 0]
+    return {"roc/equal_group_frac": (n_groups - len(groups), n_groups),
+            "roc/pos_kept_mean": (len(pos), len(groups)), "roc/neg_kept_mean": (len(kept) - len(pos), len(groups)),
+            "roc/tool_error_rate_in_correct": (sum(s.failed_calls for s in pos), sum(s.tool_calls for s in pos))}
+
+
+def shared_sums(world: int, sums: dict) -> dict:
+    """{name: (sum, count)} that every rank computed alike from gathered numbers, scaled so that reduce_sums (which
+    adds every rank's) counts them once."""
+    return {k: (a / world, b / world) for k, (a, b) in sums.items()}
+
+
+def rollout_wait(accelerator, seconds: float) -> dict:
+    """The ranks' rollout times: the slowest, and the share of rollout time spent waiting for it (schedule.py)."""
+    times = [float(t) for part in accel.all_gather_rows(accelerator, torch.tensor([[seconds]], dtype=torch.float64))
+             for t in part.flatten()]
+    return shared_sums(len(times), {"perf/rollout_wait_frac": (wait_fraction(times), 1.0),
+                                    "perf/rollout_max_s": (max(times), 1.0)})
 
 
 # ============================================================================ pure helpers of the step
@@ -284,16 +289,6 @@ def prompt_indices(step: int, per_step: int, n_data: int, seed: int) -> list[int
         perm = torch.randperm(n_data, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
         out.append(int(perm[offset]))
     return out
-
-
-def select_rollouts(rewards: list[list[float]], penalties: list[list[float]], keep: int, mode: str,
-                    generators: list) -> tuple[list[int], list[list[int]]]:
-    """Phases 4-5 for one rank: groups with signal, and for each of them the indices of the rollouts kept.
-    generators: one torch.Generator per group (seeded by the group's global position, so the choice does not
-    depend on how many ranks share the step)."""
-    groups = drop_equal_groups(rewards) if rewards else []  # a rank may have claimed no prompt
-    return groups, [resample_on_correct(rewards[g], penalties[g], keep, mode=mode, generator=generators[g])
-                    for g in groups]
 
 
 def minibatch_of(kept_per_group: list[int], updates: int, size: int) -> list[list[int]]:
@@ -310,22 +305,32 @@ def minibatch_of(kept_per_group: list[int], updates: int, size: int) -> list[lis
     return out
 
 
-def micro_batches(items: list, size: int, count: int) -> list[list]:
-    """Split `items` into exactly `count` chunks of at most `size` (trailing chunks may be empty)."""
-    chunks = [items[i:i + size] for i in range(0, len(items), size)]
-    return chunks + [[] for _ in range(count - len(chunks))]
+# ============================================================================ micro-batches as tensors
+def make_batch(micro: MicroBatch, pad_id: int, measured: bool, budget: int,
+               device="cpu") -> tuple[dict, torch.Tensor, int]:
+    """(batch, advantages (n,), n) on `device` for one micro-batch slot (schedule.MicroBatch of TrainRows): packed
+    as planned when the micro-batches are cut by tokens (budget > 0), padded otherwise; a slot without rows becomes
+    a filler (schedule.filler_row), so a rank with nothing to train there still joins every collective. n counts
+    the real rollouts (0 for a filler)."""
+    n = len(micro.items())
+    if not n:
+        micro = MicroBatch([[filler_row(pad_id, measured)]], FILLER_TOKENS)
+    real = micro.items()
+    batch = pack_batch(micro, pad_id) if budget else pad_batch(real, pad_id)
+    if measured:
+        batch["sampler_logp"] = sampler_logprobs(real, batch["loss_mask"].shape[1])
+    adv = torch.tensor([t.advantage for t in real], dtype=torch.float)
+    return {k: v.to(device) for k, v in batch.items()}, adv.to(device), n
 
 
-def make_batch(chunk: list, dummy, pad_id: int, device="cpu") -> tuple[dict, torch.Tensor]:
-    """(batch, advantages (n,)) on `device` for a chunk of (trajectory, advantage); an empty chunk becomes one mask-0
-    copy of `dummy`, so a rank with nothing left to train on still joins every collective."""
-    trajs = [t for t, _ in chunk] or [dummy]
-    batch = pad_batch(trajs, pad_id)
-    if (logp := sampler_logprobs(trajs, batch["loss_mask"].shape[1])) is not None:
-        batch["sampler_logp"] = logp
-    batch["loss_mask"] *= bool(chunk)  # all 0 for the filler
-    adv = torch.tensor([a for _, a in chunk], dtype=torch.float) if chunk else torch.zeros(1)
-    return {k: v.to(device) for k, v in batch.items()}, adv.to(device)
+def target_mask(trajs, width: int) -> torch.Tensor:
+    """(n, width) loss mask aligned with each sequence's next-token targets: row i, column t is 1 exactly where
+    token t + 1 of sequence i is one the policy sampled (0 on prompt, tool text and past the sequence's end)."""
+    mask = torch.zeros((len(trajs), width))
+    for i, t in enumerate(trajs):
+        p = len(t.prompt_ids)
+        mask[i, p - 1:p - 1 + len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.float)
+    return mask
 
 
 def pad_batch(trajs, pad_id: int) -> dict:
@@ -336,13 +341,36 @@ def pad_batch(trajs, pad_id: int) -> dict:
     L = max(len(s) for s in seqs)
     ids = torch.full((len(trajs), L), pad_id, dtype=torch.long)
     attn = torch.zeros((len(trajs), L), dtype=torch.long)
-    mask = torch.zeros((len(trajs), L - 1))
-    for i, (t, s) in enumerate(zip(trajs, seqs)):
+    for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s)
         attn[i, :len(s)] = 1
-        p = len(t.prompt_ids)
-        mask[i, p - 1:p - 1 + len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.float)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": target_mask(trajs, L - 1)}
+
+
+def pack_batch(micro: MicroBatch, pad_id: int) -> dict:
+    """Packed tensors for a micro-batch of n trajectories laid out in rows (schedule.MicroBatch): input_ids and
+    position_ids (rows, width), positions restarting at 0 for every sequence and no attention mask, so the model
+    keeps each sequence to itself (transformers' packed-sequence support: a new block wherever a position does not
+    follow the one before it); a row's padding is a block of its own. unpack (n, L-1): where in the flattened
+    (rows x width) next-token log-probs each sequence's lie, so token_logprobs hands back pad_batch's (n, L-1)
+    layout; loss_mask as there. Sequences are numbered row by row (MicroBatch.items)."""
+    trajs = micro.items()
+    L = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    ids = torch.full((len(micro.rows), micro.width), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(micro.rows), micro.width), dtype=torch.long)
+    unpack = torch.zeros((len(trajs), L - 1), dtype=torch.long)
+    i = 0
+    for r, members in enumerate(micro.rows):
+        at = 0
+        for t in members:
+            seq = t.prompt_ids + t.response_ids
+            n = len(seq)
+            ids[r, at:at + n] = torch.tensor(seq)
+            pos[r, at:at + n] = torch.arange(n)
+            unpack[i, :n - 1] = r * micro.width + at + torch.arange(n - 1)  # position t predicts token t + 1
+            at, i = at + n, i + 1
+        pos[r, at:] = torch.arange(micro.width - at)
+    return {"input_ids": ids, "position_ids": pos, "unpack": unpack, "loss_mask": target_mask(trajs, L - 1)}
 
 
 def sampler_logprobs(trajs, width: int) -> torch.Tensor | None:
@@ -359,14 +387,20 @@ def sampler_logprobs(trajs, width: int) -> torch.Tensor | None:
 
 
 def token_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
-    """log pi(x_t | x_<t) of every next token: (n, L-1), fp32. Logits are divided by the sampling temperature so the
-    numbers are those of the distribution the rollouts were drawn from (verl does the same). Computed in chunks of
-    positions (logprobs.py): no fp32 log-softmax over the vocabulary is kept, only the logits."""
+    """log pi(x_t | x_<t) of every next token: (n, L-1), fp32, for a padded or a packed batch (the same layout
+    either way). Logits are divided by the sampling temperature so the numbers are those of the distribution the
+    rollouts were drawn from (verl does the same). Computed in chunks of positions (logprobs.py): no fp32
+    log-softmax over the vocabulary is kept, only the logits. No KV cache: a cache would turn packing's mask off."""
     ids = batch["input_ids"]
-    logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits  # (n, L, V)
-    # position t predicts token t+1; the last position's target (the first token, rolled over) is cut off below
+    if "position_ids" in batch:
+        logits = model(input_ids=ids, position_ids=batch["position_ids"], use_cache=False).logits  # (rows, w, V)
+    else:
+        logits = model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False).logits  # (n, L, V)
+    # position t predicts token t+1; the last position's target (the first token, rolled over) is never used
     targets = torch.roll(ids, -1, dims=1)
     logp = sampled_logprobs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), temperature)
+    if "unpack" in batch:
+        return logp[batch["unpack"]]  # (n, L-1): each packed sequence's own, in pad_batch's layout
     return logp.view(ids.shape)[:, :-1]
 
 
@@ -388,11 +422,13 @@ def validate(cfg: TrainConfig, world: int) -> None:
         problems.append(f"need 2 <= group_size <= rollouts_per_prompt, got {cfg.group_size}, {cfg.rollouts_per_prompt}")
     if cfg.prompts_per_step % world:
         problems.append(f"prompts_per_step={cfg.prompts_per_step} must divide over {world} processes")
-    most = math.ceil(cfg.prompts_per_step * cfg.group_size / max(cfg.micro_batch_size, 1))
+    size = 1 if cfg.max_tokens_per_micro_batch else max(cfg.micro_batch_size, 1)  # minibatch_of's unit
+    most = math.ceil(cfg.prompts_per_step * cfg.group_size / size)
     if cfg.updates_per_step > most > 0:
         # the last optimizer steps would never get a micro-batch (minibatch_of): updates with nothing to learn from
-        problems.append(f"updates_per_step={cfg.updates_per_step} exceeds the {most} micro-batch(es) of a step "
-                        f"(prompts_per_step * group_size / micro_batch_size)")
+        unit = "kept rollouts" if cfg.max_tokens_per_micro_batch else "micro-batch(es)"
+        problems.append(f"updates_per_step={cfg.updates_per_step} exceeds the {most} {unit} of a step "
+                        f"(prompts_per_step * group_size" + ("" if size == 1 else " / micro_batch_size") + ")")
     if cfg.loss_agg not in LOSSES:
         problems.append(f"loss_agg must be one of {sorted(LOSSES)}, got {cfg.loss_agg!r}")
     if cfg.mismatch_correction not in CORRECTIONS:
@@ -513,12 +549,20 @@ def setup(cfg: TrainConfig):
     run = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                           tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems, probe=probe,
                           pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out,
-                          identity=identity, handoff_check=handoff.sync(acc, model, sampler, probe, "at the start"))
+                          identity=identity, handoff_check=handoff.sync(acc, model, sampler, probe, "at the start"),
+                          one_row=one_row_attention(acc.unwrap_model(model)))
     run.tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
                         max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
                         require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)
     default_pool().start()  # the answer checkers import sympy while the first rollout runs, not after it
     return step, run
+
+
+def one_row_attention(model) -> bool:
+    """Whether the model's attention keeps packed sequences apart at the cost of their own lengths only (flash
+    attention's varlen kernels, which read the sequences from position_ids in a batch of one row): then a packed
+    micro-batch is one row (schedule.layout_for)."""
+    return "flash" in str(getattr(model.config, "_attn_implementation", ""))
 
 
 def make_sampler(cfg: TrainConfig, model, tokenizer):
@@ -589,16 +633,16 @@ def run_stage(cfg: TrainConfig) -> None:
                 save_checkpoint(acc, run.out, step, {"stage": cfg.stage, "identity": run.identity,
                                                      "prompts_consumed": step * cfg.prompts_per_step},
                                 keep_last=cfg.keep_checkpoints)
+        # model/ in the dtype the stage started from (the masters stay fp32 in the checkpoints), whole or absent
+        save_model(acc, run.model, run.tokenizer, run.out / "model", input_dtype(cfg.model_path))
+        if acc.is_main_process:
+            plot_curves(log_path, run.out / "curves.png")
+            print(f"saved {run.out / 'model'} and {run.out / 'curves.png'}")
     finally:
         run.tool.close()
         bar.close()
-    # model/ in the dtype the stage started from (the masters stay fp32 in the checkpoints), whole or absent
-    save_model(acc, run.model, run.tokenizer, run.out / "model", input_dtype(cfg.model_path))
-    if acc.is_main_process:
-        plot_curves(log_path, run.out / "curves.png")
-        print(f"saved {run.out / 'model'} and {run.out / 'curves.png'}")
-    if hasattr(run.sampler, "close"):
-        run.sampler.close()  # vLLM: after the last collective, before end_training (see VLLMSampler.close)
+        if hasattr(run.sampler, "close"):  # vLLM, on every way out: after the last collective, before the process
+            run.sampler.close()            # group ends under it (see VLLMSampler.close)
     acc.end_training()
 
 

@@ -82,7 +82,9 @@ class TrainConfig:
     adam_beta2: float = 0.999
     grad_clip: float = 1.0
     updates_per_step: int = 1             # optimizer steps (mini-batches) per RL step; >1 makes the clip matter
-    micro_batch_size: int = 4             # sequences per forward/backward
+    max_tokens_per_micro_batch: int = 0   # tokens per forward/backward, rollouts packed (schedule.py); 0: micro-
+                                          # batches of micro_batch_size rollouts, padded
+    micro_batch_size: int = 4             # rollouts per forward/backward when max_tokens_per_micro_batch is 0
     optimizer_from: str | None = None     # a run or checkpoint folder whose AdamW state to start from; None: fresh
     mixed_precision: str = "no"           # no | bf16
     gradient_checkpointing: bool = False
@@ -114,6 +116,7 @@ RANGES = {
     "tool_workers": ">= 0", "tool_timeout": "> 0", "tool_memory_mb": ">= 1", "tool_max_output_chars": ">= 1",
     "lr": "> 0", "warmup_steps": ">= 0", "weight_decay": ">= 0", "adam_beta1": ">= 0 and < 1",
     "adam_beta2": ">= 0 and < 1", "grad_clip": "> 0", "updates_per_step": ">= 1", "micro_batch_size": ">= 1",
+    "max_tokens_per_micro_batch": ">= 0",
     "log_every": ">= 1", "eval_every": ">= 0", "eval_samples": ">= 1", "eval_temperature": ">= 0",
     "eval_limit": ">= 0", "save_every": ">= 1", "keep_checkpoints": ">= 1", "torch_threads": ">= 0",
     "process_group_timeout_s": "> 0",
@@ -152,8 +155,11 @@ def plan_lines(cfg: TrainConfig, world: int) -> list[str]:
         f"rollouts per step      {cfg.prompts_per_step * cfg.rollouts_per_prompt} (2G = {cfg.rollouts_per_prompt}"
         f" per prompt), {per_rank * cfg.rollouts_per_prompt} per rank",
         f"kept for the update    at most {kept} per rank (G = {cfg.group_size}, RoC mode {cfg.roc_mode})",
-        f"micro-batches          up to {math.ceil(kept / cfg.micro_batch_size)} per rank of {cfg.micro_batch_size}"
-        f" sequences, {cfg.updates_per_step} optimizer step(s) per RL step",
+        (f"micro-batches          packed, up to {cfg.max_tokens_per_micro_batch:,} tokens each (a longer rollout alone), "
+         f"the same slots on every rank, {cfg.updates_per_step} optimizer step(s) per RL step"
+         if cfg.max_tokens_per_micro_batch else
+         f"micro-batches          up to {math.ceil(kept / cfg.micro_batch_size)} per rank of {cfg.micro_batch_size}"
+         f" sequences, padded, {cfg.updates_per_step} optimizer step(s) per RL step"),
         f"token budget           {cfg.max_response_tokens} response tokens, {cfg.max_turns} turns per rollout; "
         f"at most {per_rank * cfg.rollouts_per_prompt * cfg.max_response_tokens:,} response tokens per rank per step",
         f"steps                  {cfg.steps} (stage {cfg.stage}), lr {cfg.lr} after {cfg.warmup_steps} warm-up steps",

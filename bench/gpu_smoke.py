@@ -293,8 +293,9 @@ def run_train(argv: list[str]) -> list[dict]:
             return result
         return wrapped
 
-    def trained(args, result):  # update_policy(accelerator, model, optimizer, scheduler, kept, ...)
-        lengths = [len(t.prompt_ids) + len(t.response_ids) for t, *_ in args[4]]
+    def trained(args, result):  # update_policy(accelerator, model, optimizer, scheduler, work, ...)
+        lengths = [len(t.prompt_ids) + len(t.response_ids) for slots in args[4].minibatches for micro in slots
+                   for t in micro.items()]
         # None: no cast, the fp32 master weights' own dtype (mixed_precision=no)
         policy = {k: [str(d or torch.float32) for d in v] for k, v in accel.mixed_precision_policy(args[1]).items()}
         return {"update_lengths": lengths, "policy": policy}

@@ -10,7 +10,7 @@ under DDP. Two things are arranged so that the step has the shape of a real one:
 (crc32 of the rollout's text), so that groups keep rollouts and the update has work. Each step's prompts are
 `prompt_indices`'s draw (every problem once, in a new order), the same for both schedules. Printed per setting, the mean over the steps after the first
 (warm-up): the step time, the slowest rank's rollout time, the share of rollout time ranks waited for the slowest
-(`perf/rollout_wait_frac`), the update's idle share by tokens (`perf/update_token_wait_frac`), and the update time.
+(`perf/rollout_wait_frac`), the update's lockstep efficiency (`perf/update_lockstep_eff`), and the update time.
 """
 import argparse
 import json
@@ -27,26 +27,41 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 LONG_MARK = "LONG"
 COLUMNS = [("step s", "perf/step_s"), ("rollout s", "perf/rollout_max_s"), ("rollout wait", "perf/rollout_wait_frac"),
-           ("update wait", "perf/update_token_wait_frac"), ("update s", "perf/update_s")]
+           ("update eff", "perf/update_lockstep_eff"), ("update s", "perf/update_s")]
 
 
-def worker(argv: list[str], long: int, short: int) -> None:
-    """Inside torchrun: train.main with the budget-by-prompt sampler and the coin reward."""
-    import train
+def budget_sampler(train, long: int, short: int) -> None:
+    """train.py's sampler runs every request to its budget: `long` tokens for a prompt that says LONG_MARK, `short`
+    otherwise (no stop token)."""
     from samplers.hf import HFSampler
 
     class BudgetSampler(HFSampler):
-        """Runs every request to its budget: `long` tokens for a prompt that says LONG_MARK, `short` otherwise."""
-
         def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0):
             cap = long if LONG_MARK in self.tokenizer.decode(prompt[:200]) else short
             super().add(key, prompt, min(max_new_tokens, cap), temperature, top_p)
 
     train.make_sampler = lambda cfg, model, tokenizer: BudgetSampler(model, tokenizer, cfg.rollout_batch_size,
                                                                      stop_ids=[])
+
+
+def coin_reward(train) -> None:
+    """train.py's reward becomes a coin: crc32 of the rollout's text, odd or even."""
     train.extract_answer = lambda text: text
     train.check_many = lambda answers, golds: [SimpleNamespace(correct=zlib.crc32(a.encode()) % 2 == 1,
                                                                timed_out=False) for a in answers]
+
+
+def skewed_problems(n: int) -> list[dict]:
+    """n problems, every other one LONG_MARK."""
+    return [{"problem": f"{LONG_MARK if i % 2 else 'short'} problem {i}: 1+{i}?", "answer": str(i + 1)}
+            for i in range(n)]
+
+
+def worker(argv: list[str], long: int, short: int) -> None:
+    """Inside torchrun: train.main with the budget-by-prompt sampler and the coin reward."""
+    import train
+    budget_sampler(train, long, short)
+    coin_reward(train)
     train.main(argv)
 
 
@@ -63,7 +78,7 @@ def run(root: Path, world: int, schedule: str, args) -> dict:
            str(args.short), "--", "configs/tiny/stage1.yaml", f"model_path={root / 'base'}",
            f"data=[{root / 'train.jsonl'}]", f"out_dir={out}", f"schedule={schedule}", f"steps={args.steps}",
            f"prompts_per_step={args.prompts}", "rollouts_per_prompt=4", "group_size=2", f"rollout_batch_size={args.slots}",
-           f"max_response_tokens={args.long}", "max_turns=1", "micro_batch_size=4", "eval_data=null",
+           f"max_response_tokens={args.long}", "max_turns=1", "eval_data=null",
            "eval_every=0", f"save_every={args.steps}", "torch_threads=1", "tool_workers=1", "log_every=1000"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -90,8 +105,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         build_tiny(root / "base", max_positions=512)
-        write_jsonl(root / "train.jsonl", [{"problem": f"{LONG_MARK if i % 2 else 'short'} problem {i}: 1+{i}?",
-                                            "answer": str(i + 1)} for i in range(args.prompts)])
+        write_jsonl(root / "train.jsonl", skewed_problems(args.prompts))
         print(f"tiny model, {args.prompts} prompts x 4 rollouts a step, half LONG ({args.long} tokens) and half short "
               f"({args.short}), {args.slots} rollouts at a time per rank, {args.steps - 1} steps counted")
         print(f"{'processes':>9} {'schedule':>9} " + " ".join(f"{name:>12}" for name, _ in COLUMNS))
@@ -99,7 +113,7 @@ def main(argv=None) -> None:
             results = {s: run(root, world, s, args) for s in ("static", "balanced")}
             for schedule, r in results.items():
                 print(f"{world:>9} {schedule:>9} " + " ".join(
-                    f"{r[k]:>11.1%} " if k.endswith("frac") else f"{r[k]:>12.2f}" for _, k in COLUMNS))
+                    f"{r[k]:>11.1%} " if k.endswith(("frac", "eff")) else f"{r[k]:>12.2f}" for _, k in COLUMNS))
             s, b = results["static"], results["balanced"]
             print(f"{world:>9} {'ratio':>9} {s['perf/step_s'] / b['perf/step_s']:>11.2f}x  (static / balanced step "
                   f"time); rollout wait {b['perf/rollout_wait_frac'] / max(s['perf/rollout_wait_frac'], 1e-9):.2f}"

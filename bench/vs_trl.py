@@ -308,7 +308,8 @@ def train_argv(w: Workload, sft: Path, data: Path, out: Path, roc: bool) -> list
             "sampler=hf", f"rollout_batch_size={w.prompts * w.rollouts}", f"tool_workers={w.tool_workers}",
             f"tool_timeout={w.tool_timeout}", f"tool_max_output_chars={w.tool_chars}", "tool_error_format=full",
             f"lr={w.lr}", f"warmup_steps={w.warmup}", "weight_decay=0.01", "adam_beta1=0.9", "adam_beta2=0.999",
-            "grad_clip=1.0", "updates_per_step=1", f"micro_batch_size={w.micro_batch}", "mixed_precision=no",
+            "grad_clip=1.0", "updates_per_step=1", "max_tokens_per_micro_batch=0", f"micro_batch_size={w.micro_batch}",
+            "mixed_precision=no",
             "gradient_checkpointing=false", f"save_every={w.steps}", "keep_checkpoints=1", "torch_threads=1"]
 
 

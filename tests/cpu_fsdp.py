@@ -18,13 +18,21 @@ from pathlib import Path
 
 import accelerate
 from accelerate.state import AcceleratorState, PartialState
+from accelerate.parallelism_config import ParallelismConfig
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
 
 def enable() -> None:
     class CPUFSDPAccelerator(accelerate.Accelerator):
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
+            # A launch with a parallelism config (HSDP's 2-D mesh) is validated inside Accelerator.__init__, which
+            # refuses it for MULTI_CPU: the check waits until the state says FSDP.
+            validate, ParallelismConfig._validate_accelerator = ParallelismConfig._validate_accelerator, \
+                lambda self, accelerator: None
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                ParallelismConfig._validate_accelerator = validate
             if self.distributed_type == DistributedType.MULTI_CPU:
                 # the caller's plugin, else one from the FSDP_* variables of `accelerate launch`
                 plugin = kwargs.get("fsdp_plugin") or FullyShardedDataParallelPlugin()
@@ -33,6 +41,8 @@ def enable() -> None:
                 for shared in (PartialState._shared_state, AcceleratorState._shared_state):
                     shared["distributed_type"] = DistributedType.FSDP
                 AcceleratorState._shared_state["fsdp_plugin"] = plugin
+            if self.parallelism_config:
+                self.parallelism_config._validate_accelerator(self)
 
     accelerate.Accelerator = CPUFSDPAccelerator
 

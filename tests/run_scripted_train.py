@@ -5,7 +5,8 @@ policy's answers depend on the global torch RNG; CPU_FSDP=1 lets Accelerate's FS
 copy never receives the weights (what the hand-off check must catch). Each rank writes rank{R}.json (world size,
 weight checksum) and sampler{R}.pt (the weights its sampler holds at the end); RECORD=1 records what each rank
 rolled out and trained on (`record_inputs`); WATCH_GRADS=1 records the whole gradients each rank holds after every
-backward (`watch_unsharded_grads`)."""
+backward (`watch_unsharded_grads`); COUNT_ALL_REDUCE=1 records how many all-reduces FSDP2 ran across replicas in every
+backward, and where each optimizer step fell (`count_replica_all_reduces`)."""
 import json
 import os
 import sys
@@ -56,9 +57,41 @@ def watch_unsharded_grads(out: Path, rank: int) -> None:
     accelerate.Accelerator.backward = backward
 
 
+def count_replica_all_reduces(out: Path, rank: int) -> None:
+    """COUNT_ALL_REDUCE=1: each rank appends to allreduce{R}.jsonl, after every backward, the all-reduces FSDP2's
+    gradient reduction issued during it (HSDP's across replicas: torch's _fsdp_collectives.foreach_reduce calls
+    torch.distributed.all_reduce), and a row {"step": true} at every optimizer step."""
+    import inspect
+    import accelerate
+    from accelerate.optimizer import AcceleratedOptimizer
+    real_all_reduce, real_backward, real_step = torch.distributed.all_reduce, accelerate.Accelerator.backward, \
+        AcceleratedOptimizer.step
+    seen = [0]
+
+    def write(row):
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / f"allreduce{rank}.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def all_reduce(*args, **kwargs):
+        if "_fsdp_collectives" in inspect.stack()[1].filename:
+            seen[0] += 1
+        return real_all_reduce(*args, **kwargs)
+
+    def backward(self, loss, **kwargs):
+        real_backward(self, loss, **kwargs)
+        write({"all_reduces": seen[0]})
+        seen[0] = 0
+
+    def step(self, *args, **kwargs):
+        write({"step": True})
+        return real_step(self, *args, **kwargs)
+    torch.distributed.all_reduce, accelerate.Accelerator.backward, AcceleratedOptimizer.step = all_reduce, backward, step
+
+
 def record_inputs(out: Path, rank: int) -> None:
     """RECORD=1: each rank appends, per rollout() call, the problems it rolled out (rollouts{R}.jsonl), and per
-    update_policy() call, each kept rollout as (digest of its tokens, advantage, mini-batch) (kept{R}.jsonl)."""
+    update_policy() call, each rollout it trains as (digest of its tokens, advantage, mini-batch) (kept{R}.jsonl)."""
     import hashlib
     real_rollout, real_update = train.rollout, train.update_policy
 
@@ -72,10 +105,11 @@ def record_inputs(out: Path, rank: int) -> None:
         write("rollouts", {"temperature": kwargs.get("temperature"), "problems": sorted(t.problem for t in trajs)})
         return trajs
 
-    def update_policy(acc, model, optimizer, scheduler, kept, *args, **kwargs):
+    def update_policy(acc, model, optimizer, scheduler, work, *args, **kwargs):
         digest = lambda t: hashlib.sha1(str(t.prompt_ids + t.response_ids).encode()).hexdigest()[:12]  # noqa: E731
-        write("kept", sorted([digest(t), round(a, 6), m] for t, a, m in kept))
-        return real_update(acc, model, optimizer, scheduler, kept, *args, **kwargs)
+        write("kept", sorted([digest(t), round(t.advantage, 6), u] for u, slots in enumerate(work.minibatches)
+                             for micro in slots for t in micro.items()))
+        return real_update(acc, model, optimizer, scheduler, work, *args, **kwargs)
     train.rollout, train.update_policy = rollout, update_policy
 
 
@@ -91,6 +125,9 @@ if __name__ == "__main__":
     if os.environ.get("WATCH_GRADS") == "1":
         watch_unsharded_grads(Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1]),
                               int(os.environ.get("RANK", 0)))
+    if os.environ.get("COUNT_ALL_REDUCE") == "1":
+        count_replica_all_reduces(Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1]),
+                                  int(os.environ.get("RANK", 0)))
     if os.environ.get("RECORD") == "1":  # what each rank rolled out and trained on, for the invariance tests
         record_inputs(Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1]),
                       int(os.environ.get("RANK", 0)))

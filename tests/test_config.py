@@ -190,7 +190,7 @@ def test_every_numeric_field_has_a_range_and_the_shipped_configs_are_in_it(entry
     ("train", "log_every=0", "log_every must be an integer >= 1, got 0"),
     ("train", "micro_batch_size=0", "micro_batch_size must be an integer >= 1, got 0"),
     ("train", "updates_per_step=0", "updates_per_step must be an integer >= 1, got 0"),
-    ("train", "updates_per_step=9", "updates_per_step=9 exceeds the 8 micro-batch"),
+    ("train", "updates_per_step=17", "updates_per_step=17 exceeds the 16 kept rollouts of a step"),
     ("train", "dual_clip=1.0", "dual_clip must be a finite number > 1, got 1.0"),
     ("train", "top_p=1.5", "top_p must be a finite number > 0 and <= 1, got 1.5"),
     ("train", "schedule=fast", "schedule must be one of ['balanced', 'static'], got 'fast'"),

@@ -32,13 +32,13 @@ def tiny(tmp_path_factory):
 
 
 def train_args(tiny, out, steps):
-    # micro_batch_size 8 = one rank's kept rollouts (2 prompts x G = 4); the clip is off (1e6), since the gradient
-    # norm's sum over shards runs in another order. The single process still sums its gradient in another order
-    # (its micro-batches are sorted by length across both ranks' rollouts), so the runs agree to rounding.
+    # micro-batches of up to 2048 tokens (the tiny config's) hold one rank's kept rollouts (2 prompts x G = 4); the
+    # clip is off (1e6), since the gradient norm's sum over shards runs in another order. The single process still
+    # sums its gradient in another order (one micro-batch of both ranks' rollouts), so the runs agree to rounding.
     return ["configs/tiny/stage1.yaml", f"model_path={tiny / 'base'}", f"data=[{tiny / 'say.jsonl'}]",
             f"out_dir={out}", "prompts_per_step=4", "rollouts_per_prompt=8", "group_size=4", f"steps={steps}",
             "eval_data=null", "save_every=1", "max_response_tokens=96", "lr=1e-2", "warmup_steps=2",
-            "torch_threads=1", "tool_workers=1", "micro_batch_size=8", "grad_clip=1e6"]
+            "torch_threads=1", "tool_workers=1", "grad_clip=1e6"]
 
 
 def run(cmd, env, port=None):

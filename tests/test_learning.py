@@ -14,11 +14,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import rollout
 import train
 from data import write_jsonl
 from grpo_roc import group_advantages
 from protocol import IM_END, chat_format
 from handoff import sequence_logprobs
+from one_process import one_process_work
 from sampler import Completion, TurnSampler
 from tiny.model import build_tiny
 
@@ -34,11 +36,9 @@ def tiny(tmp_path_factory):
     return root
 
 
-class Trajectory:
-    """What pad_batch reads from a rollout: prompt ids, response ids, and the mask of sampled tokens."""
-
-    def __init__(self, prompt_ids, response_ids):
-        self.prompt_ids, self.response_ids, self.loss_mask = prompt_ids, response_ids, [1] * len(response_ids)
+def Trajectory(prompt_ids, response_ids):
+    """A rollout of one turn the policy sampled whole (every response token under the loss mask)."""
+    return rollout.Trajectory("", prompt_ids, response_ids, [1] * len(response_ids), logprobs=None)
 
 
 def response_logprobs(model, trajs, pad_id):
@@ -70,8 +70,8 @@ def test_one_update_raises_positive_and_lowers_negative_rollouts(tiny):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 1.0)
     acc = Accelerator(cpu=True)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
-    train.update_policy(acc, model, optimizer, scheduler, [(t, a, 0) for t, a in zip(trajs, adv)], trajs[0], cfg,
-                       tok.pad_token_id)
+    train.update_policy(acc, model, optimizer, scheduler, one_process_work(list(zip(trajs, adv)), cfg)[0], cfg,
+                        tok.pad_token_id)
     change = (response_logprobs(model, trajs, tok.pad_token_id) - before).tolist()
     assert change[0] > 0.01 and change[2] > 0.01, change  # A > 0: more likely
     assert change[1] < -0.01 and change[3] < -0.01, change  # A < 0: less likely

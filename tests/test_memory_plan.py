@@ -117,10 +117,10 @@ def test_dry_run_prints_engines_and_memory_for_64_gpus(capsys):
     assert "rank 63: node 7 cuda:7 seed 63" in out and "TP 1" in out
     assert "14.77B parameters" in out and "FSDP over 8 GPUs" in out
     assert "engine 75.3 (0.5 x 150.7: weights 29.5" in out and "= 251,679 tokens)" in out
-    assert "= 99.1 of 150.7 GB" in out and "= 48.9 of 150.7 GB" in out and "OVER" not in out
+    assert "= 99.1 of 150.7 GB" in out and "= 97.0 of 150.7 GB" in out and "OVER" not in out
     train.main(["configs/qwen3-14b/stage1.yaml", "dry_run=true", "world_size=64", "gpu_memory_gb=40"])
     out = capsys.readouterr().out
-    assert "= 48.9 of 40 GB  OVER: does not fit" in out  # the update
+    assert "= 97.0 of 40 GB  OVER: does not fit" in out  # the update
     assert "KV CACHE TOO SMALL" in out  # half of 40 GB does not even hold the engine's 29.5 GB of weights
 
 

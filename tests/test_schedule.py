@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rollout import rollout
-from schedule import (balanced_destinations, static_claims, stay_destinations, step_claims, store_claims,
+from schedule import (FILLER_TOKENS, MicroBatch, lockstep_metrics, plan_update, static_claims, step_claims, store_claims,
                       wait_fraction)
 from test_rollout import ANSWER_TURN, FMT, TOK, FakeTool, ScriptedSampler
 
@@ -71,33 +71,115 @@ def test_static_claims_give_the_contiguous_share_once():
         assert shares == [list(range(r * 6 // world, (r + 1) * 6 // world)) for r in range(world)]
 
 
-def test_balanced_destinations_on_a_worked_example():
-    # mean 102.5: rank 0 keeps its 100, gives away 90 and 10; both go to rank 1, the lighter one each time
-    sizes = [[(100, 0), (90, 0), (10, 0)], [(5, 0)]]
-    assert balanced_destinations(sizes) == [[0, 1, 1], [1]]
-    assert stay_destinations(sizes) == [[0, 0, 0], [1]]
-    # an already balanced mini-batch moves nothing; each mini-batch is balanced on its own
-    assert balanced_destinations([[(50, 0), (10, 1)], [(50, 0), (30, 1)]]) == [[0, 0], [1, 1]]
-    assert balanced_destinations([[(10, 0), (10, 0), (10, 0), (10, 0)], [], []]) == [[0, 1, 2, 0], [], []]
+def mb(rows, width):
+    return MicroBatch(rows, width)
 
 
-def test_balanced_destinations_end_within_one_rollout_of_the_mean():
+def metrics(plan, tokens, owners) -> dict:
+    return {k: v for k, (v, _) in lockstep_metrics(plan, tokens, owners).items()}
+
+
+def test_the_one_row_plan_on_a_worked_example():
+    tokens, owners, minibatch = [100, 90, 10, 5], [0, 0, 0, 1], [0, 0, 0, 0]
+    # balanced: two bins of <= 120 tokens by LPT (100 | 90 + 10, then 5 onto the first of the tied bins), one slot;
+    # the bin rank 0 holds more of goes to rank 0 (ties: the heavier bin first), the other to rank 1
+    spread = plan_update(tokens, owners, minibatch, 1, 2, 120, 0, True, "one_row")
+    assert spread == [[[mb([[0, 3]], 105), mb([[1, 2]], 100)]]]
+    # static: rank 0 packs its own 200 tokens into two bins (100 | 90 + 10), rank 1 its 5 into one: two slots, and
+    # rank 1 runs a filler in the second
+    static = plan_update(tokens, owners, minibatch, 1, 2, 120, 0, False, "one_row")
+    assert static == [[[mb([[0]], 100), mb([[3]], 5)], [mb([[1, 2]], 100), mb([], 0)]]]
+    m = metrics(static, tokens, owners)
+    # every slot costs its largest part on both ranks: 2 x (100 + 100) token slots carry 205 useful tokens
+    assert m["perf/update_lockstep_eff"] == 205 / 400 and m["perf/update_filler_frac"] == FILLER_TOKENS / 400
+    assert m["perf/update_slot_wait_frac"] == (400 - 205 - 2) / 400 and m["perf/update_moved_frac"] == 0
+    m = metrics(spread, tokens, owners)
+    assert m["perf/update_lockstep_eff"] == 205 / 210 and m["perf/update_moved_frac"] == 3 / 4
+    assert m["perf/update_slots"] == 1 and m["perf/update_filler_frac"] == 0
+
+
+def test_the_rows_plan_on_a_worked_example():
+    tokens, owners, minibatch = [100, 90, 10, 5, 60, 40], [0, 0, 0, 0, 1, 1], [0] * 6
+    # widths tried: the longest (100) and ceil(305 / 2) = 153 (one row a rank); at 100 best fit gives the rows
+    # [0] [1, 2] [4, 5] [3], two a rank (200 token slots a rank), at 153 three rows (two on one rank: 306)
+    spread = plan_update(tokens, owners, minibatch, 1, 2, 300, 0, True, "rows")
+    assert spread == [[[mb([[0], [1, 2]], 100), mb([[4, 5], [3]], 100)]]]  # rollout 3 moves to rank 1
+    m = metrics(spread, tokens, owners)
+    assert m["perf/update_lockstep_eff"] == 305 / 400 and m["perf/update_pad_frac"] == 95 / 400
+    assert m["perf/update_moved_frac"] == 1 / 6 and m["perf/update_slot_wait_frac"] == 0
+    # static: rank 0 packs its four into three rows, rank 1 its two into one; rank 1 waits 200 token slots
+    static = plan_update(tokens, owners, minibatch, 1, 2, 300, 0, False, "rows")
+    assert static == [[[mb([[0], [1, 2], [3]], 100), mb([[4, 5]], 100)]]]
+    m = metrics(static, tokens, owners)
+    assert m["perf/update_lockstep_eff"] == 305 / 600 and m["perf/update_slot_wait_frac"] == 200 / 600
+    # a budget of two rows a micro-batch: rank 0's three rows take two slots, and rank 1 a filler in the second
+    static = plan_update(tokens, owners, minibatch, 1, 2, 200, 0, False, "rows")
+    assert static == [[[mb([[0], [1, 2]], 100), mb([[4, 5]], 100)], [mb([[3]], 100), mb([], 100)]]]
+
+
+def test_padded_micro_batches_count_their_padding():
+    # micro-batches of 2 rollouts, padded: [100, 90] costs 200 token slots (10 of them padding), [10, 5] 20 (5)
+    plan = plan_update([100, 90, 10, 5], [0, 0, 0, 0], [0] * 4, 1, 1, 0, 2, True, "padded")
+    assert plan == [[[mb([[0], [1]], 100)], [mb([[2], [3]], 10)]]]
+    m = metrics(plan, [100, 90, 10, 5], [0] * 4)
+    assert m["perf/update_lockstep_eff"] == 205 / 220 and m["perf/update_pad_frac"] == 15 / 220
+
+
+@pytest.mark.parametrize("layout", ["one_row", "rows"])
+def test_a_mini_batch_without_rollouts_has_no_slots_except_the_first(layout):
+    plan = plan_update([7], [1], [1], 3, 2, 50, 0, True, layout)
+    assert plan[0] == [[mb([], 0), mb([], 0)]]  # the first optimizer step still runs (fillers on every rank)
+    assert [[p.items() for p in slot] for slot in plan[1]] == [[[], [0]]] and plan[2] == []
+
+
+@pytest.mark.parametrize("layout", ["padded", "one_row", "rows"])
+@pytest.mark.parametrize("spread", [True, False])
+def test_every_plan_trains_each_rollout_once_in_equal_slot_counts(spread, layout):
     rng = random.Random(0)
     for _ in range(200):
-        world, updates = rng.randint(1, 6), rng.randint(1, 3)
-        sizes = [[(rng.choice([rng.randint(20, 60), rng.randint(500, 900)]), rng.randrange(updates))
-                  for _ in range(rng.randint(0, 9))] for _ in range(world)]
-        dest = balanced_destinations(sizes)
-        assert dest == balanced_destinations(sizes)  # a pure function: every rank plans the same
-        assert [len(d) for d in dest] == [len(s) for s in sizes] and all(0 <= d < world for ds in dest for d in ds)
-        for u in range(updates):
-            items = [(n, r, d) for s, ds, r in zip(sizes, dest, range(world)) for (n, m), d in zip(s, ds) if m == u]
-            if not items:
-                continue
-            load = [sum(n for n, _, d in items if d == q) for q in range(world)]
-            before = [sum(n for n, r, _ in items if r == q) for q in range(world)]
-            assert max(load) <= sum(load) / world + max(n for n, _, _ in items)
-            assert max(load) <= max(before)  # never worse than not moving
+        world, updates, size = rng.randint(1, 6), rng.randint(1, 3), 3
+        budget = 0 if layout == "padded" else rng.choice([300, 1000])
+        n = rng.randint(0, 30)
+        tokens = [rng.choice([rng.randint(20, 60), rng.randint(200, 900)]) for _ in range(n)]
+        owners, minibatch = [rng.randrange(world) for _ in range(n)], [rng.randrange(updates) for _ in range(n)]
+        plan = plan_update(tokens, owners, minibatch, updates, world, budget, size, spread, layout)
+        assert plan == plan_update(tokens, owners, minibatch, updates, world, budget, size, spread, layout)  # pure
+        placed = sorted(i for slots in plan for slot in slots for part in slot for i in part.items())
+        assert placed == list(range(n))
+        assert len(plan) == updates and len(plan[0]) >= 1
+        for u, slots in enumerate(plan):
+            assert all(len(slot) == world for slot in slots)
+            for slot in slots:
+                for r, part in enumerate(slot):
+                    items = part.items()
+                    assert all(minibatch[i] == u for i in items)
+                    assert spread or all(owners[i] == r for i in items)  # static: each rank its own
+                    assert all(sum(tokens[i] for i in row) <= part.width for row in part.rows)  # rows hold them
+                    if layout == "padded":
+                        assert len(items) <= size and all(len(row) == 1 for row in part.rows)
+                    else:  # within the budget, or one row, of one rollout longer than it
+                        assert part.forwarded() <= budget or len(part.rows) == 1
+            if layout == "one_row" and spread and any(minibatch[i] == u for i in range(n)):
+                # LPT: within a slot, parts differ by at most the longest rollout
+                longest = max(tokens[i] for slot in slots for part in slot for i in part.items())
+                for slot in slots:
+                    loads = [sum(tokens[i] for i in part.items()) for part in slot]
+                    assert max(loads) - min(loads) <= longest
+            if layout == "rows" and spread:  # every rank's rows as many as any other's, give or take one
+                counts = [sum(len(slot[r].rows) for slot in slots) for r in range(world)]
+                assert max(counts) - min(counts) <= 1
+
+
+@pytest.mark.parametrize("layout", ["one_row", "rows"])
+def test_a_balanced_plan_is_less_idle_than_keeping_rollouts_home(layout):
+    """Skewed: rank 0 sampled the long rollouts. Both plans train the same rollouts; spreading them wastes fewer
+    lockstep token slots."""
+    rng = random.Random(1)
+    tokens = [rng.randint(300, 400) for _ in range(16)] + [rng.randint(20, 40) for _ in range(16)]
+    owners, minibatch = [0] * 16 + [1] * 8 + [2] * 8, [0] * 32
+    eff = {s: metrics(plan_update(tokens, owners, minibatch, 1, 3, 1200, 0, s, layout), tokens, owners)[
+        "perf/update_lockstep_eff"] for s in (True, False)}
+    assert eff[True] > 0.8 and eff[True] > 2 * eff[False], eff
 
 
 def test_wait_fraction():
@@ -133,4 +215,4 @@ def test_one_process_claims_the_whole_step_at_once_under_either_schedule():
     prompts = ["a", "b", "c"]
     for schedule in ("balanced", "static"):
         claims = step_claims(schedule, 0, prompts, 2, 1, one)  # a capacity of 1 binds only across ranks
-        assert claims(0) == ["a", "a", "b", "b", "c", "c"] and claims(0) == [] and claims.positions == [0, 1, 2]
+        assert claims(0) == ["a", "a", "b", "b", "c", "c"] and claims(0) == [] and claims.slots == [0, 1, 2, 3, 4, 5]

@@ -10,9 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
+from grpo_roc import select_step
 from data import write_jsonl
 from protocol import chat_format
 from rollout import rollout
+from one_process import one_process_work
 from scripted_policy import ScriptedSampler, say_problems
 from stops import Stop, save_dies_halfway
 from tiny.model import build_tiny
@@ -51,9 +53,10 @@ def test_pad_batch_mask_sits_on_the_targets_the_policy_sampled():
     assert targets[batch["loss_mask"][0].bool()].tolist() == [8, 9, 11]
 
 
-def test_select_rollouts_off_keeps_everything_of_signal_groups():
-    groups, kept = train.select_rollouts([[1, 0, 1, 0], [1, 1, 1, 1]], [[0.0] * 4] * 2, 4, "off", [None, None])
+def test_select_step_off_keeps_everything_of_signal_groups():
+    groups, kept, adv = select_step([[1, 0, 1, 0], [1, 1, 1, 1]], [[0.0] * 4] * 2, 4, "off", [None, None])
     assert groups == [0] and kept == [[0, 1, 2, 3]]
+    assert adv == [pytest.approx([0.866, -0.866, 0.866, -0.866], abs=1e-3)]  # (r - 0.5) / (std 0.577 + 1e-6)
 
 
 def test_sampler_logprobs_sit_where_the_mask_is():
@@ -88,12 +91,6 @@ def kept_batch(tiny, logprob_shift=None):
     return tok, list(zip(trajs, adv))
 
 
-def in_minibatches(kept, cfg):
-    """[(trajectory, advantage, mini-batch)]: the rollouts of one rank that holds the whole step."""
-    return [(t, a, m) for (t, a), m in zip(kept, train.minibatch_of([len(kept)], cfg.updates_per_step,
-                                                                      cfg.micro_batch_size)[0])]
-
-
 def updated_weights(tiny, kept, micro_batch_size, **cfg):
     from accelerate import Accelerator
     torch.manual_seed(0)
@@ -103,7 +100,7 @@ def updated_weights(tiny, kept, micro_batch_size, **cfg):
     acc = Accelerator(cpu=True)
     model, opt, sched = acc.prepare(model, opt, sched)
     cfg = train.TrainConfig(micro_batch_size=micro_batch_size, grad_clip=1e9, **cfg)
-    sums = train.update_policy(acc, model, opt, sched, in_minibatches(kept, cfg), kept[0][0], cfg, pad_id=0)
+    sums = train.update_policy(acc, model, opt, sched, one_process_work(kept, cfg)[0], cfg, pad_id=0)
     return torch.cat([p.detach().flatten() for p in model.parameters()]), sums
 
 
@@ -213,7 +210,7 @@ def test_update_scores_old_logprobs_in_its_own_forward_when_on_policy(tiny, monk
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
     acc = Accelerator(cpu=True)
     model, opt, sched = acc.prepare(model, opt, sched)
-    sums = train.update_policy(acc, model, opt, sched, in_minibatches(kept, cfg_two), kept[0][0], cfg_two, pad_id=0)
+    sums = train.update_policy(acc, model, opt, sched, one_process_work(kept, cfg_two)[0], cfg_two, pad_id=0)
     assert [grad for _, grad in calls] == [False] * 2 + [True] * 4  # micro-batches 3 and 4, before any step
     ratio = sums["ratio_mean"][0] / sums["ratio_mean"][1]
     assert ratio != pytest.approx(1.0, abs=1e-6)  # the second mini-batch saw the policy after the first step
@@ -228,7 +225,7 @@ def test_update_micro_batches_hold_sequences_of_similar_length(tiny, monkeypatch
     calls = spy_forwards(monkeypatch)
     updated_weights(tiny, kept, 2)
     ordered = sorted(lengths)
-    assert [width for width, _ in calls] == [max(ordered[i:i + 2]) for i in range(0, 8, 2)]
+    assert sorted(width for width, _ in calls) == [max(ordered[i:i + 2]) for i in range(0, 8, 2)]
     assert sum(calls_w * 2 for calls_w, _ in calls) < sum(max(lengths[i:i + 2]) * 2 for i in range(0, 8, 2))
 
 
@@ -434,6 +431,6 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny, tmp_p
     out = tmp_path / "run"
     with pytest.raises(SystemExit, match="step 2: the loss .* is not finite; stopped, the last good checkpoint: "
                                          ".*checkpoint-1"):
-        train.main(args(tiny, out, "steps=3", "micro_batch_size=8"))
+        train.main(args(tiny, out, "steps=3", "max_tokens_per_micro_batch=4096"))
     assert log_steps(out) == [1] and (out / "latest").read_text().strip() == "checkpoint-1"
     assert not (out / "model").exists() and not (out / "checkpoint-2").exists()

@@ -2,9 +2,9 @@
 computes what one process computes.
 
 The setting is chosen so that a difference has somewhere to show: a warm-up longer than the run (an lr schedule
-stepped at another pace shows in every step's `loss/lr`), three optimizer steps per RL step over micro-batches of 2
-(mini-batches that a rank cuts from its own share would hold other rollouts than one process's), 6 prompts a step
-from 9 problems (steps cross a data epoch), held-out evaluation during training on 5 problems (not a multiple of 2
+stepped at another pace shows in every step's `loss/lr`), three optimizer steps per RL step over packed micro-batches
+of at most 256 tokens (two or three rollouts; mini-batches that a rank cuts from its own share would hold other
+rollouts than one process's), 6 prompts a step from 9 problems (steps cross a data epoch), held-out evaluation during training on 5 problems (not a multiple of 2
 or 3), and a stage 2 that carries stage 1's AdamW state (`optimizer_from`), whole or sharded.
 
 The scripted policy (tests/scripted_policy.py) answers a problem the same way whichever rank rolls it out, so
@@ -73,7 +73,7 @@ def data(tmp_path_factory):
 
 def stage_args(data: Path, out: Path, model: Path, steps: int, extra=()) -> list[str]:
     return ["configs/tiny/stage1.yaml", f"model_path={model}", f"data=[{data / 'train.jsonl'}]", f"out_dir={out}",
-            "prompts_per_step=6", "rollouts_per_prompt=8", "group_size=4", "micro_batch_size=2",
+            "prompts_per_step=6", "rollouts_per_prompt=8", "group_size=4", "max_tokens_per_micro_batch=256",
             "updates_per_step=3", f"steps={steps}", "lr=1e-3", "warmup_steps=10", "max_response_tokens=96",
             f"eval_data={data / 'held_out.jsonl'}", "eval_every=1", "eval_samples=2", "eval_limit=0",
             "save_every=1", "torch_threads=1", "tool_workers=1", *extra]
@@ -145,7 +145,8 @@ def test_invariance_of_rl_training_to_the_number_of_processes(data, one, kind, w
 def test_a_balanced_update_equals_the_unbalanced_one(data, world):
     """schedule=balanced (prompts claimed as engines free up, the update's rollouts spread by tokens) against
     schedule=static (fixed shares, each rank trains on what it kept): the same rollouts, kept rollouts, metrics and
-    weights up to float rounding, with rollouts moved between ranks in the balanced run and its update less idle.
+    weights up to float rounding, with rollouts moved between ranks in the balanced run and its update's lockstep
+    slots better used.
     rollout_batch_size=8 (one group of 8 at a time) makes every rank claim prompts as it finishes them."""
     runs = {}
     for schedule in ("static", "balanced"):
@@ -160,8 +161,8 @@ def test_a_balanced_update_equals_the_unbalanced_one(data, world):
             for s, out in runs.items()}
     assert all(r["perf/update_moved_frac"] == 0 for r in rows["static"])
     assert max(r["perf/update_moved_frac"] for r in rows["balanced"]) > 0
-    idle = {s: sum(r["perf/update_token_wait_frac"] for r in rs) for s, rs in rows.items()}
-    assert idle["balanced"] < idle["static"], idle
+    eff = {s: sum(r["perf/update_lockstep_eff"] for r in rs) for s, rs in rows.items()}
+    assert eff["balanced"] > eff["static"], eff
 
 
 def resumed(data: Path, kind: str, written_by: int, resumed_on: int, name: str) -> Path:
@@ -214,3 +215,57 @@ def test_no_fsdp_rank_holds_a_whole_gradient_between_micro_batches(data):
         rows = [json.loads(line) for line in (out / f"grads{rank}.jsonl").read_text().splitlines()]
         assert len(rows) >= 3  # several micro-batches in the one mini-batch
         assert [r["held"] for r in rows] == [0] * len(rows), rows
+
+
+HSDP_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+mixed_precision: "no"
+num_machines: 1
+num_processes: 4
+machine_rank: 0
+rdzv_backend: static
+same_network: true
+use_cpu: false
+fsdp_config:
+  fsdp_version: 2
+  fsdp_reshard_after_forward: true
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: Qwen3DecoderLayer
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_cpu_ram_efficient_loading: true
+parallelism_config:
+  parallelism_config_dp_replicate_size: 2
+  parallelism_config_dp_shard_size: 2
+"""
+
+
+def test_hsdp_all_reduces_across_replicas_once_per_optimizer_step(data):
+    """HSDP on a 2 x 2 mesh of 4 CPU processes (configs/accelerate/fsdp_8node_64gpu.yaml's layout, scaled down):
+    each micro-batch's gradient is reduce-scattered within a shard group as it comes, and the all-reduce across the
+    replicas runs once per FSDP2 parameter group at each mini-batch's last micro-batch, not after every one. The
+    deferred sums are the same gradients: the run matches one process's."""
+    config = data / "hsdp.yaml"
+    config.write_text(HSDP_CONFIG)
+    out, reference = data / "hsdp4" / "stage1", data / "hsdp1" / "stage1"
+    eight = ["prompts_per_step=8", "eval_data=null"]  # a step that divides over 4 ranks
+    train("ddp", 1, stage_args(data, reference, data / "base", 3, eight))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--main_process_port", str(free_port()), str(SCRIPT)] + stage_args(data, out, data / "base", 3, eight)
+    done = subprocess.run(command, env={**ENV, "CPU_FSDP": "1", "COUNT_ALL_REDUCE": "1"}, cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for rank in range(4):
+        rows = [json.loads(line) for line in (out / f"allreduce{rank}.jsonl").read_text().splitlines()]
+        minibatches, current = [], []
+        for row in rows:
+            if "step" in row:
+                minibatches.append(current)
+                current = []
+            else:
+                current.append(row["all_reduces"])
+        assert len(minibatches) == 9  # 3 steps x 3 updates
+        assert max(len(m) for m in minibatches) > 1  # several micro-batches in a mini-batch
+        groups = minibatches[0][-1]
+        assert groups > 0  # the replicas' all-reduce is in play
+        assert all(m == [0] * (len(m) - 1) + [groups] for m in minibatches), minibatches
+    assert_same_run(reference, out, 4)

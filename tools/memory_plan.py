@@ -158,16 +158,16 @@ def vllm_engine(shape: Shape, *, fraction: float, gpu_gb: float, tp: int = 1, ea
 def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, seq_tokens: int,
                    gradient_checkpointing: bool, sampler: str, gpu_gb: float, world: int = 1,
                    engine_fraction: float = 0.5, engine_tp: int = 1, engine_eager: bool = False,
-                   hf_slots: int = 0) -> dict[str, float]:
+                   hf_slots: int = 0, micro_tokens: int = 0) -> dict[str, float]:
     """Estimated GB per GPU, by term, for one rank of a run (the module docstring says what each term counts).
 
     shard: GPUs the policy's weights, gradients and AdamW state are divided over (1: not sharded); world: ranks in
     all (more than one: NCCL's buffers). micro_batch x seq_tokens: the sequences and their length (prompt +
-    response) in one forward/backward. sampler: "vllm" (a colocated engine taking engine_fraction of gpu_gb, weights
+    response) in one forward/backward, or micro_tokens in all when micro-batches are cut by tokens. sampler: "vllm" (a colocated engine taking engine_fraction of gpu_gb, weights
     over engine_tp GPUs, `vllm_engine`), "hf" (HFSampler; under FSDP its own bf16 copy, and hf_slots KV rows of
     seq_tokens) or "none" (SFT). Returns the terms, `rollout_peak` (trainer state + sampler while sampling),
     `update_peak` (the policy update, the engine asleep) and `kv_cache_tokens` (tokens the KV cache holds)."""
-    p, tokens = shape.params, micro_batch * seq_tokens
+    p, tokens = shape.params, micro_tokens or micro_batch * seq_tokens
     m = {
         "weights": MASTER_BYTES * p / shard / GB,
         "grads": MASTER_BYTES * p / shard / GB,
@@ -288,11 +288,14 @@ def memory_lines(cfg, world: int) -> list[str]:
         return [found]
     shape, name = found
     shard, tokens = min(world, cfg.gpus_per_node), cfg.max_prompt_tokens + cfg.max_response_tokens
+    # by tokens: a micro-batch holds at most the budget, or one rollout longer than it
+    budget = cfg.max_tokens_per_micro_batch
+    micro = max(budget, tokens) if budget else cfg.micro_batch_size * tokens
     m = memory_per_gpu(shape, shard=shard, fsdp=True, micro_batch=cfg.micro_batch_size, seq_tokens=tokens,
                        gradient_checkpointing=cfg.gradient_checkpointing, sampler=cfg.sampler,
                        gpu_gb=cfg.gpu_memory_gb, world=world, engine_fraction=cfg.vllm_gpu_memory_utilization,
                        engine_tp=cfg.vllm_tensor_parallel_size, engine_eager=cfg.vllm_enforce_eager,
-                       hf_slots=cfg.rollout_batch_size)
+                       hf_slots=cfg.rollout_batch_size, micro_tokens=micro)
     gpu = cfg.gpu_memory_gb
 
     def fits(total: float) -> str:
@@ -310,7 +313,8 @@ def memory_lines(cfg, world: int) -> list[str]:
         f"model                  {name}: {shape.params / 1e9:.2f}B parameters, {shape.layers} layers, hidden "
         f"{shape.hidden}, vocab {shape.vocab:,}",
         f"memory per GPU (GB)    an estimate (tools/memory_plan.py): FSDP over {shard} GPUs, fp32 master weights, "
-        f"micro-batch {cfg.micro_batch_size} x {tokens:,} tokens, checkpointing {cfg.gradient_checkpointing}",
+        + (f"micro-batch at most {micro:,} tokens" if budget else
+         f"micro-batch {cfg.micro_batch_size} x {tokens:,} tokens") + f", checkpointing {cfg.gradient_checkpointing}",
         f"  while sampling       weights {m['weights']:.1f} + AdamW {m['adamw']:.1f} + {sampler} + process "
         f"{m['process']:.1f} = {fits(m['rollout_peak'])}",
         f"  while updating       weights {m['weights']:.1f} + gradients {m['grads']:.1f} + AdamW {m['adamw']:.1f} + "
