@@ -212,8 +212,9 @@ def main(argv=None) -> None:
                     print(f"{backend:>7} {world:>5} {plan:>9} {r['update_s']:>9.2f} {r['census']:>11.3f} "
                           f"{reported:>13} {r['pad']:>8.1%} {r['slots']:>6.1f}")
                 if "old" in results and "balanced" in results:
-                    print(f"{backend:>7} {world:>5} {'ratio':>9} {results['old']['update_s'] / results['balanced']['update_s']:>8.2f}x"
-                          f"  (old plan's update seconds / balanced's)")
+                    ratio = results["old"]["update_s"] / results["balanced"]["update_s"]
+                    print(f"{backend:>7} {world:>5} {'ratio':>9} {ratio:>8.2f}x  (old plan's update seconds / "
+                          "balanced's)")
 
 
 if __name__ == "__main__":

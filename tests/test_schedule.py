@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rollout import rollout
-from schedule import (FILLER_TOKENS, MicroBatch, lockstep_metrics, plan_update, static_claims, step_claims, store_claims,
-                      wait_fraction)
+from schedule import (FILLER_TOKENS, MicroBatch, lockstep_metrics, plan_update, static_claims, step_claims,
+                      store_claims, wait_fraction)
 from test_rollout import ANSWER_TURN, FMT, TOK, FakeTool, ScriptedSampler
 
 pytestmark = pytest.mark.spec
