@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 import train
 from one_process import one_process_work
 from schedule import FILLER_TOKENS, MicroBatch, TrainRow, fit_rows
-from test_train import kept_batch, tiny  # noqa: F401 (the module's tiny model and its scripted rollouts)
+from test_train import kept_batch, tiny, updated_weights  # noqa: F401 (tiny: the module's model fixture)
 from tiny.model import build_model, build_tokenizer
 from tools.qwen_vocab import SHAPES
 
@@ -79,23 +79,14 @@ def test_rows_are_filled_best_fit_longest_first_and_count_their_padding():
 
 @pytest.mark.spec
 def test_an_update_on_packed_micro_batches_gives_the_padded_update(tiny):  # noqa: F811
-    from accelerate import Accelerator
     _, kept = kept_batch(tiny)
-    weights = {}
     for budget in (0, 200):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_pretrained(tiny / "base")
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
-        acc = Accelerator(cpu=True)
-        model, opt, sched = acc.prepare(model, opt, sched)
-        cfg = train.TrainConfig(micro_batch_size=2, max_tokens_per_micro_batch=budget, grad_clip=1e9)
-        work, plan = one_process_work(kept, cfg)
+        work, _ = one_process_work(kept, train.TrainConfig(micro_batch_size=2, max_tokens_per_micro_batch=budget))
         slots = work.minibatches[0]
         assert len(slots) > 1  # several micro-batches either way: the normaliser spans them
         assert budget == 0 or all(s.forwarded() <= budget for s in slots)
-        train.update_policy(acc, model, opt, sched, work, cfg, pad_id=0)
-        weights[budget] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    padded, _ = updated_weights(tiny, kept, 2, max_tokens_per_micro_batch=0)
+    packed, _ = updated_weights(tiny, kept, 2, max_tokens_per_micro_batch=200)
     base = torch.cat([p.flatten() for p in AutoModelForCausalLM.from_pretrained(tiny / "base").parameters()])
-    assert (weights[0] - base).abs().max() > 1e-4
-    torch.testing.assert_close(weights[200], weights[0], rtol=0, atol=1e-6)
+    assert (padded - base).abs().max() > 1e-4
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-6)
