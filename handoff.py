@@ -31,6 +31,14 @@ from checkpoint import input_dtype
 # accumulate more rounding: the 16-bit values leave 7-19x room.
 HANDOFF_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 1e-1}
 
+# The second rule's floor, as a fraction of the tolerance: a trainer that moved less than tolerance * MOVE_FLOOR per
+# token may leave a 16-bit sampler's numbers bit for bit where they were. Seen on the CPU rehearsal (FSDP2, bf16
+# parameters, warm-up lr 1e-7): the masters' step changed the bf16 value of a few small weights only, the trainer's
+# log-probs moved by 3e-8 per token and a bf16 vLLM engine holding the same bf16 weights rounded it away. One AdamW
+# step at lr 5e-8 on a real gradient moves the same model's log-probs by 1.1e-3 under bf16 autocast (tolerance 0.1:
+# floor 1e-4).
+MOVE_FLOOR = 1e-3
+
 
 def handoff_tolerance(sampler_dtype: torch.dtype, trainer_dtype: torch.dtype) -> float:
     """The hand-off check's tolerance: that of the coarser of the two compute dtypes. The sampler's is its weights'
@@ -62,10 +70,11 @@ def check_handoff(engine, trainer, tolerance: float, previous=None) -> str | Non
     engine, trainer: (T-1,) log-probs of tokens 1..T-1, from `sampler.score` and from the trainer's own forward pass
     (`sequence_logprobs`). previous: the (engine, trainer) pair of the last check, or None.
     1. gap = mean_t |engine_t - trainer_t| <= tolerance (`handoff_tolerance` of the two sides' dtypes);
-    2. if the trainer's log-probs moved since the last check, the sampler's moved too. A sampler that skipped the
-       update returns the same numbers, bit for bit, even where one step moves them by less than the tolerance
-       (lr 1e-6 seen through a bf16 engine). This would misfire only for an update that changes no weight at all
-       in the sampler's dtype.
+    2. if the trainer's log-probs moved since the last check by more than tolerance * MOVE_FLOOR per token, the
+       sampler's moved too. A sampler that skipped the update returns the same numbers, bit for bit, even where one
+       step moves them by less than the tolerance (lr 1e-6 seen through a bf16 engine). Below the floor a 16-bit
+       sampler may round a real update away, so the rule says nothing there; a sampler that stays stale is caught
+       at the first step that moves the trainer more, or by rule 1 once the gap grows.
     Returns None when both hold, else one line saying which failed."""
     engine = torch.as_tensor(engine, dtype=torch.float64)
     trainer = torch.as_tensor(trainer, dtype=torch.float64)
@@ -76,7 +85,7 @@ def check_handoff(engine, trainer, tolerance: float, previous=None) -> str | Non
         return f"the sampler's log-probs differ from the trainer's by {gap:.3g} per token (tolerance {tolerance:g})"
     if previous is not None:
         moved = (trainer - torch.as_tensor(previous[1], dtype=torch.float64)).abs().mean().item()
-        if moved > 0 and torch.equal(engine, torch.as_tensor(previous[0], dtype=torch.float64)):
+        if moved > tolerance * MOVE_FLOOR and torch.equal(engine, torch.as_tensor(previous[0], dtype=torch.float64)):
             return (f"the trainer's log-probs moved by {moved:.3g} per token since the last hand-off and the "
                     "sampler's did not change at all: it is still generating from the old weights")
     return None

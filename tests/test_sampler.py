@@ -310,6 +310,9 @@ def test_check_handoff_by_hand():
     assert "did not change at all" in check_handoff(engine, moved, 1e-3, previous=(engine, trainer))
     assert check_handoff(engine + 1e-5, moved, 1e-3, previous=(engine, trainer)) is None
     assert check_handoff(engine, trainer, 1e-3, previous=(engine, trainer)) is None  # nothing moved: fine
+    # below the floor (tolerance * MOVE_FLOOR) a 16-bit sampler may round the step away; above it, it may not
+    assert check_handoff(engine, trainer + 3e-8, 1e-1, previous=(engine, trainer)) is None
+    assert "did not change at all" in check_handoff(engine, trainer + 1e-3, 1e-1, previous=(engine, trainer))
 
 
 # ------------------------------------------------------------------------------------------------ VLLMSampler
