@@ -159,11 +159,12 @@ def _decode_turn(tokenizer, ids: list[int], stopped: bool) -> str:
 
 def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_response_tokens: int,
             max_turns: int, temperature: float = 1.0, top_p: float = 1.0, sync_turns: bool = False,
-            progress: bool = False, more=None) -> list[Trajectory]:
+            progress: bool = False, more=None, seeds=None) -> list[Trajectory]:
     """Play out every problem (repeat a problem 2G times for a group) and return one Trajectory per problem, in
     order. sampler: see sampler.py (`add`, `step`, `has_work`); tool: a CodeTool (only `submit`).
     more(running) -> list[str]: further problems, asked at the start and whenever a rollout ends, with the number of
-    rollouts not yet ended ([] for none now); their trajectories follow, in the order given (schedule.py)."""
+    rollouts not yet ended ([] for none now); their trajectories follow, in the order given (schedule.py).
+    seeds(i, turn) -> the sampling seed of trajectory i's turn (schedule.Claims.seed); None: the sampler's own RNG."""
     trajs: list[Trajectory] = []
     running = 0  # rollouts not yet ended
     in_flight: dict[Future, tuple[int, ToolCall]] = {}  # tool calls submitted, not yet read
@@ -173,7 +174,8 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
         nonlocal running
         for p in new:
             trajs.append(Trajectory(p, encode(tokenizer, fmt.prompt(p))))
-            sampler.add(len(trajs) - 1, trajs[-1].prompt_ids, max_response_tokens, temperature, top_p)
+            i = len(trajs) - 1
+            sampler.add(i, trajs[i].prompt_ids, max_response_tokens, temperature, top_p, seeds and seeds(i, 0))
         running += len(new)
         bar.total += len(new)
         if more is not None and (extra := more(running)):
@@ -185,7 +187,7 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
         traj = trajs[i]
         if traj.end_reason is None:
             sampler.add(i, traj.prompt_ids + traj.response_ids, max_response_tokens - len(traj.response_ids),
-                        temperature, top_p)
+                        temperature, top_p, seeds and seeds(i, traj.num_turns))
         else:
             running -= 1
             bar.update(1)

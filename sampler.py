@@ -58,7 +58,7 @@ class Sampler(Protocol):
     moment its tool result arrives, while the others keep generating (continuous batching)."""
 
     def add(self, key, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
-            top_p: float = 1.0) -> None: ...
+            top_p: float = 1.0, seed: int | None = None) -> None: ...  # seed: this request's own random numbers
 
     def step(self) -> list[tuple[object, Completion]]: ...  # advance; the requests that finished, with their keys
 
@@ -90,8 +90,8 @@ class TurnSampler:
     """For a sampler that only has `generate` (scripted test policies, simple wrappers): `step` generates every
     queued request in one `generate` call per (temperature, top_p)."""
 
-    def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0):
-        self._pending().append((key, prompt, max_new_tokens, temperature, top_p))
+    def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0, seed=None):
+        self._pending().append((key, prompt, max_new_tokens, temperature, top_p, seed))
 
     def has_work(self):
         return bool(self._pending())
@@ -99,8 +99,9 @@ class TurnSampler:
     def step(self):
         queue, self._queue = self._pending(), []
         done = []
-        for params in dict.fromkeys((t, p) for *_, t, p in queue):
-            batch = [q for q in queue if q[3:] == params]
+        for params in dict.fromkeys(q[3:5] for q in queue):
+            batch = [q for q in queue if q[3:5] == params]
+            self.call_seeds = [q[5] for q in batch]  # each request's seed, for a generate that draws per request
             completions = self.generate([q[1] for q in batch], [q[2] for q in batch], *params)
             done += [(q[0], c) for q, c in zip(batch, completions)]
         return done

@@ -53,9 +53,10 @@ import accel
 
 
 # ============================================================================ phase 1: claims
-def static_claims(n_groups: int, rank: int, world: int):
-    """The fixed schedule: this rank's contiguous share of the step's groups, all at the first call."""
-    share = list(range(rank * n_groups // world, (rank + 1) * n_groups // world))
+def static_claims(n_slots: int, per_group: int, rank: int, world: int):
+    """The fixed schedule: the slots of this rank's contiguous share of the step's groups, all at the first call."""
+    groups = n_slots // per_group
+    share = list(range(rank * groups // world * per_group, (rank + 1) * groups // world * per_group))
 
     def claim(running: int) -> list[int]:
         out, share[:] = share[:], []
@@ -63,54 +64,68 @@ def static_claims(n_groups: int, rank: int, world: int):
     return claim
 
 
-def store_claims(store, key: str, n_groups: int, rollouts_per_group: int, capacity: float):
-    """Claims through a shared counter: claim(running) -> the positions of the groups taken now, one at a time while
-    `running` (this rank's unfinished rollouts) plus what it has just taken stays under `capacity`; [] once the
-    counter has passed n_groups (the store is not asked again)."""
-    done = False
+def store_claims(store, key: str, n_slots: int, claim_size: int, capacity: float):
+    """Claims through a shared counter: claim(running) -> the step slots taken now, `claim_size` consecutive ones a
+    claim, claim after claim while `running` (this rank's unfinished rollouts) plus what it has just taken stays
+    under `capacity`; [] once the counter has passed the last claim (the store is not asked again)."""
+    claims, done = -(-n_slots // claim_size), False
 
     def claim(running: int) -> list[int]:
         nonlocal done
         out = []
-        while not done and running + len(out) * rollouts_per_group < capacity:
-            position = store.add(key, 1) - 1  # add returns the counter after adding: every value goes to one rank
-            if position >= n_groups:
+        while not done and running + len(out) < capacity:
+            c = store.add(key, 1) - 1  # add returns the counter after adding: every value goes to one rank
+            if c >= claims:
                 done = True
             else:
-                out.append(position)
+                out += range(c * claim_size, min((c + 1) * claim_size, n_slots))
         return out
     return claim
 
 
-class Claims:
-    """rollout()'s `more` for one step: claims groups with `take` (`static_claims` or `store_claims`), remembers
-    the step slot of every rollout it hands out (`slots`: group position x per_group + index in the group, in the
-    order of the trajectories), and returns each claimed prompt `per_group` times."""
+def rollout_seed(seed: int, step: int, slot: int, turn: int) -> int:
+    """The sampling seed of one turn of one rollout, a function of (seed, step, slot, turn) only, so the engine that
+    draws a rollout does not change its random numbers. 31 bits, as every sampler takes: a mix of (seed, step) in the
+    high bits, slot x 64 + turn below them (distinct within a step for turns below 64)."""
+    high = (seed * 1_000_003 + step * 10_007) % 1_021
+    return (high * 2**21 + slot * 64 + turn) % 2**31
 
-    def __init__(self, take, prompts: list[str], per_group: int):
+
+class Claims:
+    """rollout()'s `more` for one step: claims slots with `take` (`static_claims` or `store_claims`), remembers
+    each rollout's slot (`slots`: group position x per_group + index in the group, in the order of the
+    trajectories) and returns its prompt; `seed(i, turn)` is the sampling seed of trajectory i's turn."""
+
+    def __init__(self, take, prompts: list[str], per_group: int, step: int, seed: int):
         self.take, self.prompts, self.per_group, self.slots = take, prompts, per_group, []
+        self.step, self.base_seed = step, seed
 
     def __call__(self, running: int) -> list[str]:
         got = self.take(running)
-        self.slots += [g * self.per_group + i for g in got for i in range(self.per_group)]
-        return [self.prompts[g] for g in got for _ in range(self.per_group)]
+        self.slots += got
+        return [self.prompts[s // self.per_group] for s in got]
+
+    def seed(self, i: int, turn: int) -> int:
+        return rollout_seed(self.base_seed, self.step, self.slots[i], turn)
 
 
-# config `schedule` -> (how a rank claims the step's groups, whether the update's plan moves rollouts)
+# config `schedule` -> (how a rank claims the step's rollouts, whether the update's plan moves rollouts)
 SCHEDULES = {"balanced": ("store", True), "static": ("static", False)}
 
 
-def step_claims(schedule: str, step: int, prompts: list[str], per_group: int, capacity: int, accelerator) -> Claims:
-    """The claims of one step's prompts (its B, in step order) on this rank, for the config's schedule."""
-    rank, world, n = accelerator.process_index, accelerator.num_processes, len(prompts)
+def step_claims(schedule: str, step: int, prompts: list[str], per_group: int, capacity: int, claim_size: int,
+                seed: int, accelerator) -> Claims:
+    """The claims of one step's rollouts (its B prompts x per_group, in step order) on this rank, for the config's
+    schedule; `claim_size` rollouts a claim under `balanced`."""
+    rank, world, n = accelerator.process_index, accelerator.num_processes, len(prompts) * per_group
     if SCHEDULES[schedule][0] == "static":
-        take = static_claims(n, rank, world)
+        take = static_claims(n, per_group, rank, world)
     elif world == 1:  # one engine: it takes the whole step at once, as the static schedule does
-        take = store_claims(torch.distributed.HashStore(), "claims", n, per_group, math.inf)
+        take = store_claims(torch.distributed.HashStore(), "claims", n, claim_size, math.inf)
     else:
         store = torch.distributed.distributed_c10d._get_default_store()
-        take = store_claims(store, f"rollout_claims/{step}", n, per_group, capacity)
-    return Claims(take, prompts, per_group)
+        take = store_claims(store, f"rollout_claims/{step}", n, claim_size, capacity)
+    return Claims(take, prompts, per_group, step, seed)
 
 
 def wait_fraction(times: list[float]) -> float:

@@ -4,7 +4,7 @@
     accelerate launch --config_file configs/accelerate/fsdp_1node_8gpu.yaml train.py configs/qwen3-14b/stage1.yaml
 
 Each step, in labelled phases (the banners in `train_step`):
-  1. claim prompts of the step's B, one at a time as this rank's engine frees up (schedule.py; whole groups)
+  1. claim the step's B x 2G rollouts, a few at a time as this rank's engine frees up (schedule.py)
   2. rollout: 2G multi-turn rollouts per prompt with the Python tool (rollout.py)
   3. reward: 0/1 on the final answer (reward.py)
   4. drop equal groups (all right or all wrong)                    } grpo_roc.py
@@ -28,7 +28,7 @@ Ranks keep different numbers of rollouts after dropping equal groups, so the num
 first and ranks with fewer run empty (mask-0) micro-batches: every rank joins every collective.
 
 Not here: a KL term or reference model, an entropy bonus (see grpo_roc.py). The report's rollout scheduler (§3.2)
-is schedule.py's: across ranks, prompts claimed as engines free up; within a rank, rollout.py batches continuously
+is schedule.py's: across ranks, rollouts claimed as engines free up; within a rank, rollout.py batches continuously
 and dispatches each tool call the moment its turn ends.
 """
 import contextlib
@@ -69,13 +69,13 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     """Phases 1-9 for one step on this rank; returns {name: (sum, count)} to be reduced over ranks."""
     acc, K, B = run.accelerator, cfg.rollouts_per_prompt, cfg.prompts_per_step
     t0 = time.perf_counter()
-    # ---------------------------------------------------------------- 1-2. claim prompts, 2G rollouts of each
+    # ---------------------------------------------------------------- 1-2. claim rollouts, play them out
     indices = prompt_indices(step, B, len(run.problems), cfg.seed)
     claims = step_claims(cfg.schedule, step, [run.problems[i]["problem"] for i in indices], K,
-                         cfg.rollout_batch_size, acc)
+                         cfg.rollout_batch_size, cfg.claim_size, cfg.seed, acc)
     trajs = rollout([], run.sampler, run.tool, run.tokenizer, run.fmt, max_response_tokens=cfg.max_response_tokens,
                     max_turns=cfg.max_turns, temperature=cfg.temperature, top_p=cfg.top_p,
-                    sync_turns=cfg.sync_turns, progress=acc.is_local_main_process, more=claims)
+                    sync_turns=cfg.sync_turns, progress=acc.is_local_main_process, more=claims, seeds=claims.seed)
     t_rollout = time.perf_counter() - t0
     # ---------------------------------------------------------------- 3. reward: 0/1 on the final answer
     golds = [run.problems[indices[slot // K]]["answer"] for slot in claims.slots]
@@ -418,6 +418,9 @@ def validate(cfg: TrainConfig, world: int) -> None:
         problems.append(f"roc_mode must be sample, lowest or off, got {cfg.roc_mode!r}")
     if cfg.roc_mode == "off" and cfg.group_size != cfg.rollouts_per_prompt:
         problems.append("roc_mode=off keeps every rollout: set group_size == rollouts_per_prompt")
+    if cfg.claim_size > cfg.rollouts_per_prompt:
+        problems.append(f"claim_size={cfg.claim_size} is more than a prompt's rollouts_per_prompt="
+                        f"{cfg.rollouts_per_prompt}")
     if not 2 <= cfg.group_size <= cfg.rollouts_per_prompt:
         problems.append(f"need 2 <= group_size <= rollouts_per_prompt, got {cfg.group_size}, {cfg.rollouts_per_prompt}")
     if cfg.prompts_per_step % world:

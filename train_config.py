@@ -60,7 +60,9 @@ class TrainConfig:
     newline_after_turn: bool = True       # "\n" after an assistant turn's <|im_end|> (the public agent loop: none)
     sampler: str = "hf"                   # hf (our decode loop on transformers, CPU/GPU) | vllm (GPU; CPU build too)
     rollout_batch_size: int = 64          # rollouts a rank runs at once: hf sampler slots; claims stop there
-    schedule: str = "balanced"            # balanced (claim prompts as engines free up, balance the update) | static
+    schedule: str = "balanced"            # balanced (claim rollouts as engines free up, balance the update) | static
+    claim_size: int = 1                   # rollouts one claim takes under balanced: 1 = the report's per-request
+                                          # dispatch, rollouts_per_prompt = whole prompts (bench/rollout_schedule.py)
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
     vllm_gpu_memory_utilization: float = 0.5  # vLLM's share of the reported GPU memory (tools/memory_plan.py)
     vllm_tensor_parallel_size: int = 1    # only 1: one single-device engine per rank
@@ -111,7 +113,7 @@ RANGES = {
     "mismatch_tis_cap": "> 0", "mismatch_seq_low": "> 0 and <= 1", "mismatch_seq_high": ">= 1",
     "max_response_tokens": ">= 16", "max_turns": ">= 1", "max_prompt_tokens": ">= 1",
     "temperature": "> 0",  # the update divides the logits by it (0 is greedy for a sampler, undefined here)
-    "top_p": "> 0 and <= 1", "rollout_batch_size": ">= 1",
+    "top_p": "> 0 and <= 1", "rollout_batch_size": ">= 1", "claim_size": ">= 1",
     "vllm_gpu_memory_utilization": "> 0 and <= 1", "vllm_tensor_parallel_size": ">= 1",
     "tool_workers": ">= 0", "tool_timeout": "> 0", "tool_memory_mb": ">= 1", "tool_max_output_chars": ">= 1",
     "lr": "> 0", "warmup_steps": ">= 0", "weight_decay": ">= 0", "adam_beta1": ">= 0 and < 1",
@@ -150,7 +152,8 @@ def plan_lines(cfg: TrainConfig, world: int) -> list[str]:
     lines = [
         f"world size             {world}",
         f"prompts per step       {cfg.prompts_per_step} (B) = {per_rank} per rank" + (
-            f" on average (claimed as engines free up, < {cfg.rollout_batch_size} rollouts unfinished per rank)"
+            f" on average (claimed {cfg.claim_size} rollout(s) at a time as engines free up, < "
+            f"{cfg.rollout_batch_size} rollouts unfinished per rank)"
             if cfg.schedule == "balanced" and world > 1 else ""),
         f"rollouts per step      {cfg.prompts_per_step * cfg.rollouts_per_prompt} (2G = {cfg.rollouts_per_prompt}"
         f" per prompt), {per_rank * cfg.rollouts_per_prompt} per rank",

@@ -1,5 +1,6 @@
 """The rollout scheduler measured: train.py on 2 and 3 CPU processes (torchrun, gloo), schedule=static against
-schedule=balanced, side by side in one run, on a step whose prompts are skewed (half of them long).
+schedule=balanced claiming whole prompts (claim_size 4) and single rollouts (claim_size 1), side by side in one
+run, on a step whose prompts are skewed (half of them long).
 
     .venv/bin/python bench/rollout_balance.py [--steps 6 --prompts 24 --long 288 --short 24 --worlds 2 3]
 
@@ -36,7 +37,7 @@ def budget_sampler(train, long: int, short: int) -> None:
     from samplers.hf import HFSampler
 
     class BudgetSampler(HFSampler):
-        def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0):
+        def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0, seed=None):
             cap = long if LONG_MARK in self.tokenizer.decode(prompt[:200]) else short
             super().add(key, prompt, min(max_new_tokens, cap), temperature, top_p)
 
@@ -71,19 +72,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(root: Path, world: int, schedule: str, args) -> dict:
-    out = root / f"{schedule}{world}"
+# printed name -> (schedule, claim_size)
+SETTINGS = {"static": ("static", 4), "prompts": ("balanced", 4), "rollouts": ("balanced", 1)}
+
+
+def run(root: Path, world: int, name: str, args) -> dict:
+    schedule, claim_size = SETTINGS[name]
+    out = root / f"{name}{world}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
            str(free_port()), str(Path(__file__).resolve()), "--worker", "--long", str(args.long), "--short",
            str(args.short), "--", "configs/tiny/stage1.yaml", f"model_path={root / 'base'}",
-           f"data=[{root / 'train.jsonl'}]", f"out_dir={out}", f"schedule={schedule}", f"steps={args.steps}",
+           f"data=[{root / 'train.jsonl'}]", f"out_dir={out}", f"schedule={schedule}", f"claim_size={claim_size}", f"steps={args.steps}",
            f"prompts_per_step={args.prompts}", "rollouts_per_prompt=4", "group_size=2", f"rollout_batch_size={args.slots}",
            f"max_response_tokens={args.long}", "max_turns=1", "eval_data=null",
            "eval_every=0", f"save_every={args.steps}", "torch_threads=1", "tool_workers=1", "log_every=1000"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode:
-        raise SystemExit(f"{schedule} on {world} processes failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{name} on {world} processes failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     return {key: sum(r[key] for r in rows) / len(rows) for _, key in COLUMNS}
 
@@ -108,16 +114,18 @@ def main(argv=None) -> None:
         write_jsonl(root / "train.jsonl", skewed_problems(args.prompts))
         print(f"tiny model, {args.prompts} prompts x 4 rollouts a step, half LONG ({args.long} tokens) and half short "
               f"({args.short}), {args.slots} rollouts at a time per rank, {args.steps - 1} steps counted")
-        print(f"{'processes':>9} {'schedule':>9} " + " ".join(f"{name:>12}" for name, _ in COLUMNS))
+        print("claims: static = fixed shares; prompts = balanced, whole prompts; rollouts = balanced, single rollouts")
+        print(f"{'processes':>9} {'claims':>9} " + " ".join(f"{name:>12}" for name, _ in COLUMNS))
         for world in args.worlds:
-            results = {s: run(root, world, s, args) for s in ("static", "balanced")}
-            for schedule, r in results.items():
-                print(f"{world:>9} {schedule:>9} " + " ".join(
+            results = {name: run(root, world, name, args) for name in SETTINGS}
+            for name, r in results.items():
+                print(f"{world:>9} {name:>9} " + " ".join(
                     f"{r[k]:>11.1%} " if k.endswith(("frac", "eff")) else f"{r[k]:>12.2f}" for _, k in COLUMNS))
-            s, b = results["static"], results["balanced"]
-            print(f"{world:>9} {'ratio':>9} {s['perf/step_s'] / b['perf/step_s']:>11.2f}x  (static / balanced step "
-                  f"time); rollout wait {b['perf/rollout_wait_frac'] / max(s['perf/rollout_wait_frac'], 1e-9):.2f}"
-                  f" of static's")
+            wait = {name: r["perf/rollout_wait_frac"] for name, r in results.items()}
+            s, b = results["static"], results["rollouts"]
+            print(f"{world:>9} {'ratio':>9} {s['perf/step_s'] / b['perf/step_s']:>11.2f}x  (static / rollouts step "
+                  f"time); rollout wait {wait['rollouts'] / max(wait['static'], 1e-9):.2f} of static's, "
+                  f"{wait['rollouts'] / max(wait['prompts'], 1e-9):.2f} of whole prompts'")
 
 
 if __name__ == "__main__":

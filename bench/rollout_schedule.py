@@ -7,18 +7,21 @@ The rStar2-Agent report (§3.2, its rollout scheduler) observes that assigning r
 statically leaves engines idle: rollout lengths vary widely and the step waits for the slowest engine. This script
 compares, for one step of B prompts x 2G rollouts on one colocated engine per rank:
 - static: schedule=static's contiguous shares, prompt i on rank i // (B / ranks);
-- balanced: schedule.py's rule as train.py runs it: a rank claims the next unclaimed prompt (in index order, all 2G
-  rollouts of it, so RoC's downsampling stays on one rank) while fewer than rollout_batch_size of its rollouts are
-  unfinished (a count, not the KV cache: the engine packs its own cache), until the prompts run out;
+- balanced: schedule.py's rule as train.py runs it: a rank claims the next `claim_size` unclaimed rollouts (in
+  (prompt, index) order; the config's, 1 for the 14B recipe) while fewer than rollout_batch_size of its rollouts
+  are unfinished (a count, not the KV cache: the engine packs its own cache), until the step's rollouts run out;
+  and the same rule claiming whole prompts (claim_size = 2G), as a reference;
 - ideal: the work perfectly divisible: every engine at the steady state of a full KV cache for the whole step, all
   finishing together (a fluid bound), or the longest rollout decoded alone if that takes longer;
-- by free KV (references): a rank claims the next prompt whenever nothing it claimed is still waiting and its engine
-  has room for one more rollout of any length (free KV >= prompt + budget tokens), the report's rule with whole
-  prompts; and the same rule claiming single rollouts (not an option here: RoC needs a prompt's whole group on one
-  rank).
-A prompt's group is the unit a rank takes, so the step cannot end before the last claimed group finishes on its one
-engine, and a hard prompt's group can need more than one engine's KV cache, decoding in waves: the tail the
-printed table measures. The gap between the two reference rows is what whole-prompt granularity costs.
+- by free KV (references): a rank claims whenever nothing it claimed is still waiting and its engine has room for
+  one more rollout of any length (free KV >= prompt + budget tokens), the report's rule, with whole prompts and
+  with single rollouts.
+With whole prompts the step cannot end before the last claimed group finishes on its one engine, and a hard
+prompt's group can need more than one engine's KV cache, decoding in waves: the tail the table measures. Claims of
+single rollouts spread a prompt over engines instead, and each engine that holds one of its rollouts reads the
+prompt itself: the `prefills` column counts the (prompt, engine) pairs, and the line under the table what the
+extra prompt reads cost against the decoded tokens (vLLM's prefix caching shares a prompt's blocks only within an
+engine).
 
 Assumptions (each a choice, printed above the table):
 - lengths: per prompt a log-normal median (difficulty: hard prompts give long rollouts), per rollout a log-normal
@@ -157,16 +160,17 @@ class Engine:
 
 def simulate(lengths: np.ndarray, ranks: int, capacity: float, cost: DecodeCost, policy: str = "dynamic",
              prompt_tokens: int = 0, max_seqs: int = memory_plan.VLLM_MAX_SEQS, min_free: float | None = None,
-             max_unfinished: int | None = None) -> dict:
-    """One step's rollouts of `lengths` (prompts, rollouts) on `ranks` engines of `capacity` KV tokens.
+             max_unfinished: int | None = None, per_prompt: int = 1) -> dict:
+    """One step's rollouts of `lengths` (claims, rollouts per claim) on `ranks` engines of `capacity` KV tokens;
+    `per_prompt` consecutive claims are one prompt's rollouts.
 
-    policy "static": prompt i on rank i // (prompts / ranks) from the start. "dynamic": an engine claims the next
-    prompt whenever nothing it claimed waits and its unreserved KV is at least min_free tokens (default: one more
+    policy "static": claim i on rank i // (claims / ranks) from the start. "dynamic": an engine claims the next
+    one whenever nothing it claimed waits and its unreserved KV is at least min_free tokens (default: one more
     rollout of any length, prompt_tokens + the longest length), or, given max_unfinished, whenever fewer of its
     sequences than that are waiting or running (schedule.py's rule, rollout_batch_size); engines at the same moment
     claim in turn, one prompt each. Events are handled in time order (a heap), jumping from one finish to the next.
-    Returns per-engine `finish` and `busy` seconds, each engine's `prompts`, the step `time` and `idle` (the mean
-    over engines of (step time - busy) / step time)."""
+    Returns per-engine `finish` and `busy` seconds, each engine's `prompts` (one entry per claim), `prefills` (the
+    (prompt, engine) pairs), the step `time` and `idle` (the mean over engines of (step time - busy) / step time)."""
     n_prompts = len(lengths)
     if (lengths + prompt_tokens).max() > capacity:
         raise ValueError(f"a rollout of {int(lengths.max()) + prompt_tokens} tokens does not fit a KV cache of "
@@ -177,7 +181,7 @@ def simulate(lengths: np.ndarray, ranks: int, capacity: float, cost: DecodeCost,
             raise ValueError(f"{n_prompts} prompts do not divide over {ranks} ranks")
         share = n_prompts // ranks
         for i in range(n_prompts):
-            engines[i // share].take(i, lengths[i])
+            engines[i // share].take(i // per_prompt, lengths[i])
         claimed = n_prompts
     elif policy == "dynamic":
         claimed = 0
@@ -196,7 +200,7 @@ def simulate(lengths: np.ndarray, ranks: int, capacity: float, cost: DecodeCost,
         _, _, r = heapq.heappop(heap)
         e = engines[r]
         if wants(e):
-            e.take(claimed, lengths[claimed])
+            e.take(claimed // per_prompt, lengths[claimed])
             claimed += 1
             e.admit()
         else:
@@ -209,6 +213,7 @@ def simulate(lengths: np.ndarray, ranks: int, capacity: float, cost: DecodeCost,
     busy = np.array([e.busy for e in engines])
     step = float(finish.max())
     return {"finish": finish, "busy": busy, "prompts": [e.prompts for e in engines], "time": step,
+            "prefills": sum(len(set(e.prompts)) for e in engines),
             "idle": float(np.mean((step - busy) / step)) if step > 0 else 0.0}
 
 
@@ -245,8 +250,32 @@ def engine_plan(config_path: str) -> tuple[memory_plan.Shape, float, dict]:
     engine = memory_plan.vllm_engine(shape, fraction=cfg.vllm_gpu_memory_utilization, gpu_gb=cfg.gpu_memory_gb,
                                      tp=cfg.vllm_tensor_parallel_size, eager=cfg.vllm_enforce_eager)
     sizes = {"prompts": cfg.prompts_per_step, "rollouts": cfg.rollouts_per_prompt,
-             "budget": cfg.max_response_tokens, "slots": cfg.rollout_batch_size}
+             "budget": cfg.max_response_tokens, "slots": cfg.rollout_batch_size, "claim": cfg.claim_size}
     return shape, engine["kv_cache_tokens"], sizes
+
+
+def sweep(args, prompts: int, rollouts: int, budget: int, kv_tokens: float, cost: DecodeCost, slots: int,
+          claim: int) -> None:
+    """One line per seed: the balanced rule's step and idle, whole-prompt claims', and ideal's; then the worst gap."""
+    kw = dict(prompt_tokens=args.prompt_tokens, max_seqs=args.max_seqs, max_unfinished=slots)
+    print(f"{args.ranks} ranks, {prompts} prompts x {rollouts} rollouts, budget {budget:,}, claim limit {slots} "
+          f"unfinished rollouts per rank (simulated, config {args.config})")
+    print(f"{'seed':>4}{f'claims of {claim}: step s':>24}{'idle':>7}{'whole prompts: step s':>24}{'idle':>7}"
+          f"{'ideal s':>9}{'whole / claims':>16}")
+    gaps, ratios = [], []
+    for seed in range(args.seeds):
+        lengths = sample_lengths(np.random.default_rng(seed), prompts, rollouts, budget, args.median_tokens,
+                                 args.prompt_sigma, args.rollout_sigma)
+        part = simulate(lengths.reshape(-1, claim), args.ranks, kv_tokens, cost, "dynamic",
+                        per_prompt=rollouts // claim, **kw)
+        whole = simulate(lengths, args.ranks, kv_tokens, cost, "dynamic", **kw)
+        best = ideal(lengths, args.ranks, kv_tokens, cost, args.prompt_tokens, args.max_seqs)
+        gaps.append((part["idle"] - best["idle"]) * 100)
+        ratios.append(whole["time"] / part["time"])
+        print(f"{seed:>4}{part['time']:>24.1f}{part['idle']:>7.1%}{whole['time']:>24.1f}{whole['idle']:>7.1%}"
+              f"{best['time']:>9.1f}{ratios[-1]:>15.2f}x")
+    print(f"claims of {claim} idle at most {max(gaps):.1f} points more than ideal over seeds 0-{args.seeds - 1} (the "
+          f"aim: within 5); whole-prompt claims take {min(ratios):.2f}-{max(ratios):.2f}x their step time.")
 
 
 def main(argv=None) -> None:
@@ -267,8 +296,10 @@ def main(argv=None) -> None:
     ap.add_argument("--max-seqs", type=int, default=memory_plan.VLLM_MAX_SEQS)
     ap.add_argument("--slots", type=int, help="schedule.py's claim limit, unfinished rollouts per rank (default: "
                     "the config's rollout_batch_size)")
-    ap.add_argument("--claim", type=int, help="rollouts one claim takes in the balanced row (default: a whole prompt; "
-                    "fewer is what-if: RoC would need each group gathered on one rank first)")
+    ap.add_argument("--claim", type=int, help="rollouts one claim takes in the balanced row (default: the config's "
+                    "claim_size)")
+    ap.add_argument("--seeds", type=int, help="instead of one step's table: seeds 0..N-1, one line each (balanced "
+                    "against whole-prompt claims and ideal)")
     ap.add_argument("--bandwidth-tbs", type=float, default=H200_BANDWIDTH / 1e12)
     ap.add_argument("--tflops", type=float, default=H200_BF16_FLOPS / 1e12)
     args = ap.parse_args(argv)
@@ -279,6 +310,9 @@ def main(argv=None) -> None:
     prompts, rollouts, budget = (args.prompts or sizes["prompts"], args.rollouts or sizes["rollouts"],
                                  args.budget or sizes["budget"])
     cost = decode_cost(shape, args.bandwidth_tbs * 1e12, args.tflops * 1e12)
+    if args.seeds:
+        return sweep(args, prompts, rollouts, budget, kv_tokens, cost, args.slots or sizes["slots"],
+                     args.claim or sizes["claim"])
     rng = np.random.default_rng(args.seed)
     if args.trajectories:
         lengths = lengths_from_trajectories(args.trajectories, rng, prompts, rollouts, budget)
@@ -290,17 +324,20 @@ def main(argv=None) -> None:
                   f"rollouts around theirs (sigma {args.rollout_sigma})")
     t1 = time.perf_counter()
     kw = dict(prompt_tokens=args.prompt_tokens, max_seqs=args.max_seqs)
-    slots, claim = args.slots or sizes["slots"], args.claim or rollouts
+    slots, claim = args.slots or sizes["slots"], args.claim or sizes["claim"]
     if rollouts % claim:
         raise SystemExit(f"--claim {claim} does not divide the {rollouts} rollouts of a prompt")
+
+    def balanced(size):
+        return simulate(lengths.reshape(-1, size), args.ranks, kv_tokens, cost, "dynamic", max_unfinished=slots,
+                        per_prompt=rollouts // size, **kw)
     rows = [("static (schedule=static)", simulate(lengths, args.ranks, kv_tokens, cost, "static", **kw)),
-            (f"balanced (schedule.py, {slots})" + (f", claims of {claim}" if claim < rollouts else ""),
-             simulate(lengths.reshape(-1, claim), args.ranks, kv_tokens, cost, "dynamic", max_unfinished=slots,
-                      **kw)),
+            (f"balanced (schedule.py, {slots}), claims of {claim}", balanced(claim)),
             ("ideal (fluid bound)", ideal(lengths, args.ranks, kv_tokens, cost, **kw)),
+            ("ref: balanced, whole prompts", balanced(rollouts)),
             ("ref: by free KV, whole prompts", simulate(lengths, args.ranks, kv_tokens, cost, "dynamic", **kw)),
-            ("ref: by free KV, single rollouts*", simulate(lengths.reshape(-1, 1), args.ranks, kv_tokens, cost,
-                                                           "dynamic", **kw))]
+            ("ref: by free KV, single rollouts", simulate(lengths.reshape(-1, 1), args.ranks, kv_tokens, cost,
+                                                          "dynamic", per_prompt=rollouts, **kw))]
     t2 = time.perf_counter()
 
     per_prompt = lengths.mean(axis=1)
@@ -318,21 +355,29 @@ def main(argv=None) -> None:
           f"cached tokens: {shape.params / 1e9:.1f}B params, bf16 weights and {shape.kv_bytes_per_token:,} B/token "
           f"KV read at {args.bandwidth_tbs} TB/s, 2 FLOPs/param at {args.tflops:g} TFLOP/s; tool calls and prefill "
           f"free")
-    print(f"  balanced   schedule.py's rule: a rank claims the next prompt (index order) while fewer than {slots} of "
-          "its rollouts are unfinished (rollout_batch_size)\n  by free KV a rank claims when nothing it claimed "
-          "waits and its free KV holds one more rollout of any length (the report's rule, per prompt or rollout)")
+    print(f"  balanced   schedule.py's rule: a rank claims the next {claim} rollout(s) ((prompt, index) order) while "
+          f"fewer than {slots} of its rollouts are unfinished (rollout_batch_size)\n  by free KV a rank claims when "
+          "nothing it claimed waits and its free KV holds one more rollout of any length (the report's rule)")
     print()
-    print(f"{'policy':<42}{'step s':>9}{'idle':>8}{'slowest s':>11}{'fastest s':>11}")
+    print(f"{'policy':<42}{'step s':>9}{'idle':>8}{'slowest s':>11}{'fastest s':>11}{'prefills':>10}")
     for name, r in rows:
-        print(f"{name:<42}{r['time']:>9.1f}{r['idle']:>8.1%}{r['finish'].max():>11.1f}{r['finish'].min():>11.1f}")
-    print("* not an option: RoC downsamples a prompt's whole group on one rank; shown for what whole prompts cost")
+        prefills = f"{r['prefills']:>10,}" if "prefills" in r else f"{'':>10}"
+        print(f"{name:<42}{r['time']:>9.1f}{r['idle']:>8.1%}{r['finish'].max():>11.1f}{r['finish'].min():>11.1f}"
+              + prefills)
+    extra = (rows[1][1]["prefills"] - prompts) * args.prompt_tokens
+    print(f"prefix sharing: the balanced row reads {rows[1][1]['prefills'] - prompts:,} prompts more than one engine "
+          f"per prompt would, {extra / 1e6:.2f}M prompt tokens prefilled beside {lengths.sum() / 1e6:.1f}M decoded "
+          f"({extra / lengths.sum():.1%}; a prefill token costs a fraction of a decoded one)")
     hardest = int(np.argmax(lengths.sum(axis=1)))
     alone = simulate(lengths[hardest:hardest + 1], 1, kv_tokens, cost, "static", **kw)["time"]
     need = int((lengths[hardest] + args.prompt_tokens).sum())
     gap = (rows[1][1]["idle"] - rows[2][1]["idle"]) * 100
+    whole = rows[3][1]["time"]
     why = (f": the tail is one prompt's group. The hardest prompt's {rollouts} rollouts need {need:,} KV tokens "
            f"({need / kv_tokens:.1f} caches), so one engine decodes them in waves, {alone:.0f} s alone; a hard prompt "
            f"claimed late runs on while the other engines have no prompts left")
+    print(f"step {rows[1][1]['time']:.1f} s against {whole:.1f} s with whole-prompt claims "
+          f"({whole / rows[1][1]['time']:.2f}x)")
     print(f"balanced idles {gap:.1f} points more than ideal (the aim: within 5)"
           + (why if gap > 5 and claim == rollouts else "") + ".")
     print(f"(lengths {t1 - t0:.1f} s with the config, simulation {t2 - t1:.1f} s)")

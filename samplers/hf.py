@@ -106,10 +106,12 @@ def load_named_weights(model: torch.nn.Module, weights) -> None:
         raise ValueError(f"weight hand-off: {len(needed - got)} weights never arrived, e.g. {min(needed - got)}")
 
 
-def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+            generators: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: (B, V) logits, (B,) temperatures and top-p -> sampled ids (B,) and log softmax(logits / T)[id] (B,).
     T = 0 is greedy, with log-probs at T = 1. top-p keeps the smallest set of most likely tokens holding at least
-    top_p of the mass (it is not folded into the log-prob)."""
+    top_p of the mass (it is not folded into the log-prob). generators: per row, its own torch.Generator (a seeded
+    request: its draws do not depend on the other rows) or None (the global RNG); None: every row global."""
     greedy = temperature <= 0
     logp = torch.log_softmax(logits.float() / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)  # (B, V)
     probs = logp.exp()
@@ -117,7 +119,11 @@ def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
         sorted_p, order = probs.sort(dim=-1, descending=True)
         sorted_p[sorted_p.cumsum(-1) - sorted_p >= top_p[:, None]] = 0.0  # the mass before it already reaches top_p
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    ids = torch.where(greedy, logp.argmax(-1), torch.multinomial(probs, 1).squeeze(-1))
+    if generators is None or all(g is None for g in generators):
+        drawn = torch.multinomial(probs, 1).squeeze(-1)
+    else:
+        drawn = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+    ids = torch.where(greedy, logp.argmax(-1), drawn)
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
 
@@ -150,6 +156,7 @@ class _Request:
     budget: int
     temperature: float
     top_p: float
+    generator: torch.Generator | None = None  # a seeded request's own random numbers
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -171,8 +178,9 @@ class HFSampler:
     with explicit position ids, so gaps between a request's columns are never attended; attention starts at the
     first column any live row uses. When rows or columns run out, the live columns slide left within the buffers
     (new, larger buffers only when they are too small), dropping the dead columns.
-    Sampling draws from the global torch RNG; which requests share a step depends on when tool results come back,
-    so seeded runs repeat exactly only when the caller adds requests in a fixed pattern (rollout(sync_turns=True))."""
+    A request added with a seed draws from its own generator, so its tokens do not depend on which others share
+    its steps (up to float rounding of the batched forward); without one, sampling draws from the global torch RNG
+    and seeded runs repeat exactly only when the caller adds requests in a fixed pattern (rollout(sync_turns=True))."""
 
     def __init__(self, model, tokenizer, batch_size: int = 64, stop_ids: list[int] | None = None,
                  prefix_cache_rows: int | None = None):
@@ -190,9 +198,10 @@ class HFSampler:
         self.seen = self.feed = self.next_pos = self.temps = self.top_ps = None  # per slot, see _make_room
         self._was_training = False  # the model was in training mode when the running requests began
 
-    def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0) -> None:
+    def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0, seed=None) -> None:
         assert len(prompt) >= 1 and max_new_tokens >= 1
-        self.queue.append(_Request(key, list(prompt), max_new_tokens, temperature, top_p))
+        generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
+        self.queue.append(_Request(key, list(prompt), max_new_tokens, temperature, top_p, generator))
 
     def has_work(self) -> bool:
         return bool(self.queue or self.live)
@@ -294,7 +303,7 @@ class HFSampler:
 
     def _sample_and_retire(self, logits, lo: int, hi: int) -> list[tuple[object, Completion]]:
         """Slots lo..hi-1 sample a token each; finished requests leave (the last slot's row moves into the gap)."""
-        sampled, logp = _sample(logits, self.temps[lo:hi], self.top_ps[lo:hi])
+        sampled, logp = _sample(logits, self.temps[lo:hi], self.top_ps[lo:hi], [r.generator for r in self.live[lo:hi]])
         self.feed[lo:hi] = sampled
         finished = [lo + j for j, (req, t, lp) in enumerate(zip(self.live[lo:hi], sampled.tolist(), logp.tolist()))
                     if self._record(req, t, lp)]

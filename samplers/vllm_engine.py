@@ -111,8 +111,9 @@ class VLLMSampler:
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [_vllm_completion(o.outputs[0]) for o in outputs]
 
-    def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0) -> None:
-        """Queue one request on the engine (`LLMEngine.add_request`); vLLM batches it with the running ones."""
+    def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0, seed=None) -> None:
+        """Queue one request on the engine (`LLMEngine.add_request`); vLLM batches it with the running ones. seed:
+        the request's own sampling generator (vLLM's per-request `seed`), else the engine's."""
         assert max_new_tokens >= 1
         self._ready()
         request_id = str(next(self._ids))
@@ -123,7 +124,7 @@ class VLLMSampler:
         # `generate` goes through `LLM.generate`, which renders itself.
         renderer = getattr(engine, "renderer", None)
         request = renderer.render_cmpl([prompt])[0] if renderer is not None else prompt
-        engine.add_request(request_id, request, self._params(max_new_tokens, temperature, top_p))
+        engine.add_request(request_id, request, self._params(max_new_tokens, temperature, top_p, seed))
 
     def step(self) -> list[tuple[object, Completion]]:
         """One engine step (`LLMEngine.step`); the requests it finished."""
@@ -133,11 +134,11 @@ class VLLMSampler:
     def has_work(self) -> bool:
         return bool(self.keys)
 
-    def _params(self, max_new_tokens: int, temperature: float, top_p: float):
+    def _params(self, max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
-                              stop_token_ids=[self.im_end_id], skip_special_tokens=False, detokenize=False,
+                              seed=seed, stop_token_ids=[self.im_end_id], skip_special_tokens=False, detokenize=False,
                               output_kind=RequestOutputKind.FINAL_ONLY)
 
     def score(self, token_ids: list[int]) -> list[float]:

@@ -5,9 +5,10 @@ mixed rewards; a randomly initialised tiny model never answers correctly, so eve
 nothing would be tested. This sampler writes the turns itself (correct for some rollouts of a group, wrong for the
 others, some through a real tool call) while the trainer computes log-probs and gradients on the real model.
 
-Problems are "Say N." with answer N. Within one generate call, the k-th copy of a problem answers correctly when
-k is even, with a pattern of period 4, so a problem drawn twice in one step behaves the same whichever rank
-plays it (or, with use_rng, when the global torch RNG says so: that makes resume tests check RNG restoring).
+Problems are "Say N." with answer N. Rollout k of a problem (its slot in the step, read from the seed train.py
+gives each rollout, schedule.rollout_seed; without one the k-th copy in one generate call) answers correctly when
+k is even, with a pattern of period 4, so a rollout behaves the same whichever rank plays it (or, with use_rng,
+when the global torch RNG says so: that makes resume tests check RNG restoring).
 
 The sampler keeps its own copy of the model, as an engine does: `update_weights` copies the trainer's weights in
 (or skips them with skip_updates=True, a stale engine), and `score` answers from that copy, so train.py's hand-off
@@ -51,10 +52,13 @@ class ScriptedSampler(TurnSampler):
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):
         seen, out = {}, []
-        for ids, budget in zip(prompts, max_new_tokens):
+        seeds = getattr(self, "call_seeds", None) or [None] * len(prompts)
+        for ids, budget, seed in zip(prompts, max_new_tokens, seeds):
             text = self.tok.decode(ids)
             key = re.findall(r"Say (\d+)\.", text)[0]
             copy = seen[key] = seen.get(key, -1) + 1
+            if seed is not None:  # a seeded rollout: its index in the step (schedule.rollout_seed), whoever plays it
+                copy = seed // 64 % 2**15
             turn = self.tok.encode(self._turn(text, copy), add_special_tokens=False) + [self.im_end]
             logprobs = None if self.logprob_shift is None else self._logprobs(ids, turn[:budget], temperature)
             out.append(Completion(turn[:budget], logprobs, len(turn) <= budget))

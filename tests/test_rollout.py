@@ -230,7 +230,7 @@ class OneTokenPerStep:
     def __init__(self, scripts: dict[str, list[str]]):
         self.scripts, self.turn, self.clock, self.running, self.log = scripts, {}, 0, [], []
 
-    def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0):
+    def add(self, key, prompt, max_new_tokens, temperature=1.0, top_p=1.0, seed=None):
         problem = next(p for p in self.scripts if p in TOK.decode(prompt))
         k = self.turn[problem] = self.turn.get(problem, -1) + 1
         full = TOK.encode(self.scripts[problem][k], add_special_tokens=False) + [IM_END_ID]

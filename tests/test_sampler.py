@@ -588,3 +588,29 @@ def test_the_reload_log_drops_only_the_rotary_cache_s_failed_load():
     quiet = QuietRotaryReload()
     assert not quiet.filter(record("RotaryEmbedding"))
     assert quiet.filter(record("ParallelLMHead")) and quiet.filter(record("QKVParallelLinear"))
+
+
+def test_a_seeded_request_draws_the_same_tokens_whoever_shares_its_steps(tiny):
+    """Per-request generators (schedule.rollout_seed): the same prompt and seed give the same tokens alone, beside
+    other requests added at other moments, and after other draws from the global RNG; another seed gives others."""
+    _, tok, model = tiny
+    sampler = HFSampler(model, tok, batch_size=8)
+    target, others = prompts_of(tok, ["Compute 12*34 with Python."])[0], prompts_of(tok, ["a", "bb ccc", "d" * 9])
+
+    def draw(seed, company):
+        torch.manual_seed(len(company))  # the global RNG differs between the runs
+        for j, p in enumerate(company[:1]):
+            sampler.add(("other", j), p, 30, 1.0, 1.0)
+        sampler.step()  # the first request is already decoding when the target joins
+        sampler.add("target", target, 40, 1.0, 1.0, seed=seed)
+        for j, p in enumerate(company[1:], start=1):
+            sampler.add(("other", j), p, 30, 1.0, 1.0, seed=100 + j)
+        done = {}
+        while sampler.has_work():
+            done.update(sampler.step())
+        return done["target"].token_ids
+
+    alone = draw(5, [])
+    assert len(alone) >= 3
+    assert draw(5, others) == alone and draw(5, others[:2]) == alone
+    assert any(draw(seed, others) != alone for seed in (6, 7, 8))

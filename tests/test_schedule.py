@@ -1,4 +1,4 @@
-"""schedule.py: prompts claimed through a shared counter cover a step exactly once at any world size, a fast rank
+"""schedule.py: rollouts claimed through a shared counter cover a step exactly once at any world size, a fast rank
 takes more, the update's rollouts are spread by tokens with few moves, and rollout() takes claimed work as its
 rollouts end. (The multi-process runs are in tests/test_train_invariance.py; the timing in bench/rollout_balance.py.)"""
 import random
@@ -14,61 +14,79 @@ from test_rollout import ANSWER_TURN, FMT, TOK, FakeTool, ScriptedSampler
 pytestmark = pytest.mark.spec
 
 
-def play(world: int, n_groups: int, per_group: int, capacity: float, seed: int) -> list[list[int]]:
+def play(world: int, n_slots: int, claim_size: int, capacity: float, seed: int) -> list[list[int]]:
     """Ranks interleaved at random on one store: each finishes some of its unfinished rollouts, then claims.
-    Returns the positions each rank claimed; checks that no claim is made while the rank's engine is full."""
+    Returns the slots each rank claimed; checks that no claim is made while the rank's engine is full."""
     store, rng = torch.distributed.HashStore(), random.Random(seed)
-    claims = [store_claims(store, "step", n_groups, per_group, capacity) for _ in range(world)]
+    claims = [store_claims(store, "step", n_slots, claim_size, capacity) for _ in range(world)]
     running, taken, quiet = [0] * world, [[] for _ in range(world)], 0
     while quiet < 50 * world:  # until every rank has asked many times in a row and got nothing
         r = rng.randrange(world)
         running[r] -= rng.randint(0, running[r])
         got = claims[r](running[r])
-        assert len(got) <= max(1, -(-(capacity - running[r]) // per_group)) if capacity < float("inf") else True
-        running[r] += per_group * len(got)
+        if capacity < float("inf"):  # claims only while under capacity: the last one may pass it by claim_size - 1
+            assert len(got) < max(0, capacity - running[r]) + claim_size
+        running[r] += len(got)
         taken[r] += got
         quiet = 0 if got else quiet + 1
     return taken
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
-def test_claims_cover_every_group_of_a_step_exactly_once_at_any_world_size(world):
+@pytest.mark.parametrize("claim_size", [1, 3, 4])
+def test_claims_cover_every_rollout_of_a_step_exactly_once_at_any_world_size(world, claim_size):
+    """B prompts x 4 rollouts, claims of 1 (the report's per-request dispatch), 3 (not dividing a group) and 4
+    (whole prompts), engines of capacity 1 to unbounded, ranks interleaved at random."""
     for seed in range(5):
-        n = world * random.Random(seed).randint(1, 6)
+        n = 4 * world * random.Random(seed).randint(1, 6)
         for capacity in (1, 4, 16, float("inf")):
-            taken = play(world, n, 4, capacity, seed)
-            assert sorted(g for t in taken for g in t) == list(range(n)), (seed, capacity)
+            taken = play(world, n, claim_size, capacity, seed)
+            assert sorted(s for t in taken for s in t) == list(range(n)), (seed, capacity)
             assert all(t == sorted(t) for t in taken)  # each rank's claims in step order
+            if world > 1 and capacity == 1 and claim_size == 1 and n >= 4 * world:
+                spread = [{r for r, t in enumerate(taken) for i in range(4) if g * 4 + i in t} for g in range(n // 4)]
+                assert max(map(len, spread)) > 1  # a prompt's rollouts ran on several ranks
 
 
 def test_a_rank_claims_only_while_its_engine_has_room():
-    claim = store_claims(torch.distributed.HashStore(), "k", 10, 4, capacity=10)
-    assert claim(0) == [0, 1, 2]  # 0, 4 and 8 running are under 10; 12 is not
-    assert claim(9) == [3]
-    assert claim(10) == []
-    assert claim(0) == [4, 5, 6]
-    assert claim(0) == [7, 8, 9]
+    claim = store_claims(torch.distributed.HashStore(), "k", 10, 4, capacity=6)  # 10 slots, claims of 4
+    assert claim(0) == list(range(8))  # 0 and 4 running are under 6; 8 is not
+    assert claim(6) == []
+    assert claim(5) == [8, 9]  # the last claim is short
     assert claim(0) == []
+    one = store_claims(torch.distributed.HashStore(), "k", 5, 1, capacity=2)
+    assert one(0) == [0, 1] and one(1) == [2] and one(2) == [] and one(0) == [3, 4] and one(0) == []
 
 
 def test_a_fast_rank_takes_what_a_slow_one_leaves():
     store = torch.distributed.HashStore()
-    slow, fast = (store_claims(store, "k", 12, 4, capacity=8) for _ in range(2))
+    slow, fast = (store_claims(store, "k", 12, 1, capacity=2) for _ in range(2))
     assert slow(0) == [0, 1]  # then it never finishes anything
     got = fast(0)
     while (more := fast(0)):  # finishes everything at once
         got += more
-    assert got == list(range(2, 12)) and slow(7) == []
+    assert got == list(range(2, 12)) and slow(1) == []
 
 
-def test_static_claims_give_the_contiguous_share_once():
+def test_static_claims_give_the_contiguous_share_of_whole_groups_once():
     for world in (1, 2, 3):
         shares = []
         for rank in range(world):
-            claim = static_claims(6, rank, world)
+            claim = static_claims(12, 2, rank, world)  # 6 groups of 2
             shares.append(claim(0))
             assert claim(0) == []
-        assert shares == [list(range(r * 6 // world, (r + 1) * 6 // world)) for r in range(world)]
+        assert shares == [list(range(r * 6 // world * 2, (r + 1) * 6 // world * 2)) for r in range(world)]
+
+
+def test_a_rollouts_seed_depends_on_its_place_in_the_step_not_on_who_draws_it():
+    from schedule import Claims, rollout_seed
+    store = torch.distributed.HashStore()
+    a, b = (Claims(store_claims(store, "k", 4, 1, capacity=1), ["p", "q"], 2, step=3, seed=7) for _ in range(2))
+    assert a(0) == ["p"] and b(0) == ["p"] and a(0) == ["q"] and b(0) == ["q"]
+    assert (a.slots, b.slots) == ([0, 2], [1, 3])
+    assert a.seed(1, 0) == rollout_seed(7, 3, 2, 0) and b.seed(0, 2) == rollout_seed(7, 3, 1, 2)
+    seeds = {rollout_seed(7, st, sl, t) for st in range(3) for sl in range(64) for t in range(4)}
+    assert len(seeds) == 3 * 64 * 4 and max(seeds) < 2**31  # distinct over steps, slots and turns
 
 
 def mb(rows, width):
@@ -213,6 +231,6 @@ def test_one_process_claims_the_whole_step_at_once_under_either_schedule():
     from types import SimpleNamespace
     one = SimpleNamespace(process_index=0, num_processes=1)
     prompts = ["a", "b", "c"]
-    for schedule in ("balanced", "static"):
-        claims = step_claims(schedule, 0, prompts, 2, 1, one)  # a capacity of 1 binds only across ranks
+    for schedule, claim_size in (("balanced", 1), ("balanced", 2), ("static", 1)):
+        claims = step_claims(schedule, 0, prompts, 2, 1, claim_size, 0, one)  # a capacity of 1 binds only across ranks
         assert claims(0) == ["a", "a", "b", "b", "c", "c"] and claims(0) == [] and claims.slots == [0, 1, 2, 3, 4, 5]

@@ -143,11 +143,12 @@ def test_invariance_of_rl_training_to_the_number_of_processes(data, one, kind, w
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_balanced_update_equals_the_unbalanced_one(data, world):
-    """schedule=balanced (prompts claimed as engines free up, the update's rollouts spread by tokens) against
+    """schedule=balanced (rollouts claimed one at a time as engines free up, a prompt's rollouts on whichever ranks
+    claim them, the update's rollouts spread by tokens) against
     schedule=static (fixed shares, each rank trains on what it kept): the same rollouts, kept rollouts, metrics and
     weights up to float rounding, with rollouts moved between ranks in the balanced run and its update's lockstep
     slots better used.
-    rollout_batch_size=8 (one group of 8 at a time) makes every rank claim prompts as it finishes them."""
+    rollout_batch_size=8 (a group's 8 rollouts at a time) makes every rank claim as it finishes rollouts."""
     runs = {}
     for schedule in ("static", "balanced"):
         runs[schedule] = data / f"{schedule}{world}" / "stage1"

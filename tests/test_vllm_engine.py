@@ -160,6 +160,25 @@ def test_add_and_step_return_each_request_once_with_its_key(engine, tiny, monkey
     assert [str(k) for k, _ in finished][0] == "('b', 1)" and steps >= 12  # the shortest budget first
 
 
+def test_a_seeded_request_draws_the_same_tokens_whoever_shares_its_steps(engine, tiny):
+    """vLLM's per-request seed (what schedule.rollout_seed feeds): one prompt and seed, alone and beside other
+    requests, give the same tokens; other seeds give others."""
+    ps = prompts(tiny[1], 3)
+
+    def draw(seed, company):
+        for j, p in enumerate(company):
+            engine.add(("other", j), p, 24, temperature=1.0)
+        engine.add("target", ps[0], 24, temperature=1.0, seed=seed)
+        done = {}
+        while engine.has_work():
+            done.update(engine.step())
+        return done["target"].token_ids
+
+    alone = draw(11, [])
+    assert draw(11, ps[1:]) == alone and draw(11, ps) == alone
+    assert any(draw(seed, ps[1:]) != alone for seed in (12, 13, 14))
+
+
 def test_multi_turn_rollout_with_the_code_tool(engine, tiny):
     """Greedy: call the tool, read its real output, answer from it: two turns, one call, the right number."""
     tok = tiny[1]
