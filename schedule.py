@@ -8,10 +8,11 @@ every micro-batch is a collective step on every rank (each layer's all-gather an
 costs the sum over its micro-batch slots of the slowest rank's slot, not the largest rank's total. The config field
 `schedule` (`SCHEDULES`) picks how both are shared:
 
-- Claiming (phase 2). The step's prompts sit behind one shared counter in the process group's store (the TCP store
-  that torchrun and `accelerate launch` already run); a rank claims the next prompt (`store.add(key, 1)`) whenever
-  fewer than `capacity` of its rollouts are unfinished (`rollout_batch_size`: the requests its engine runs at once),
-  until the prompts run out. A rank whose prompts finish early takes more; nobody holds work its engine cannot start.
+- Claiming (phase 2). The step's rollouts, in (prompt, index) order, sit behind one shared counter in the process
+  group's store (the TCP store that torchrun and `accelerate launch` already run); a rank claims the next
+  `claim_size` of them (`store.add(key, 1)`) whenever fewer than `capacity` of its rollouts are unfinished
+  (`rollout_batch_size`: the requests its engine runs at once), until they run out. A rank whose rollouts finish
+  early takes more; nobody holds work its engine cannot start; one prompt's rollouts may run on several ranks.
 - Scores (before phases 4-6). Every rank gathers every rollout's few numbers (`gather_scores`: its place in the
   step, reward, the penalty's counts, its lengths; not its tokens), so the equal-group drop, Resample-on-Correct
   and the advantages (grpo_roc.select_step) are computed for the whole step, alike on every rank, whichever rank
@@ -33,14 +34,14 @@ The loss divides by the global token count, so where a rollout is trained, and w
 but float rounding.
 
 What the report describes and what this does: the report's scheduler dispatches single requests to engines by their
-free KV cache, from one controller. Here there is no controller: each rank claims whole prompts when its count of
+free KV cache, from one controller. Here there is no controller: each rank claims a few rollouts when its count of
 unfinished rollouts leaves room, and the engine (vLLM, or samplers/hf.py) packs its own KV cache. On one process
 there is nobody to share with: the rank claims the whole step at once, exactly what the static schedule does.
 
-Results do not depend on which rank rolled a group out beyond the sampling noise each rank has anyway: the step's
-prompts are `train.prompt_indices`, RoC's generators are seeded by the group's position in the step, and mini-batches
-are cut by that position (`train.minibatch_of`). Under a sampling policy, which rank draws a group's rollouts
-depends on timing on more than one process: runs on several processes repeat exactly only with `schedule=static`.
+Results do not depend on which rank rolled a rollout out: the step's prompts are `train.prompt_indices`, RoC's
+generators are seeded by the group's position in the step, mini-batches are cut by that position
+(`train.minibatch_of`), and every turn samples from its own seed (`rollout_seed`). What still differs between runs on
+several processes is which requests share a decode step, which on a GPU changes the forward's float rounding.
 """
 import bisect
 import heapq
