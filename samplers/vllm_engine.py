@@ -239,6 +239,11 @@ def build_engine(**kwargs):
     if current_platform.is_cpu() and "kv_cache_memory_bytes" not in kwargs \
             and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    if current_platform.is_cpu():
+        # A prompt prefilled in chunks draws a token it throws away, and vLLM then rewinds the request's seeded
+        # generator by its offset, which CPU generators lack ("CPU Generator does not use offset", vLLM 0.32): on
+        # CPU every prompt is prefilled in one step.
+        kwargs.setdefault("enable_chunked_prefill", False)
     reload_log = logging.getLogger(RELOAD_LOGGER)
     if not any(isinstance(f, QuietRotaryReload) for f in reload_log.filters):
         reload_log.addFilter(QuietRotaryReload())

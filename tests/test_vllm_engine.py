@@ -180,6 +180,21 @@ def test_a_seeded_request_draws_the_same_tokens_whoever_shares_its_steps(engine,
     assert any(draw(seed, ps[1:]) != alone for seed in (12, 13, 14))
 
 
+def test_seeded_requests_past_one_steps_token_budget_all_finish(engine, tiny):
+    """More seeded prompt tokens than one engine step prefills: with chunked prefill, vLLM 0.32 on CPU fails here
+    ("CPU Generator does not use offset"); the engine is built without it on CPU, and every request finishes."""
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    longs = [p * 12 for p in prompts(tiny[1], 40)]  # distinct prompts: a shared prefix would be cached, not prefilled
+    n = budget // len(longs[0]) + 3
+    assert n <= len(longs) and len(longs[0]) < budget
+    for i in range(n):
+        engine.add(i, longs[i], 4, temperature=2.0, seed=100 + i)
+    done = {}
+    while engine.has_work():
+        done.update(engine.step())
+    assert sorted(done) == list(range(n)) and all(len(done[i].token_ids) >= 1 for i in done)
+
+
 def test_multi_turn_rollout_with_the_code_tool(engine, tiny):
     """Greedy: call the tool, read its real output, answer from it: two turns, one call, the right number."""
     tok = tiny[1]
