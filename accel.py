@@ -1,16 +1,14 @@
-"""The Accelerator that sft.py and train.py build, with the three settings a GPU run depends on and Accelerate
-leaves to the caller.
+"""The Accelerator that sft.py, train.py and eval.py build, and what a run over many processes depends on that
+Accelerate leaves to the caller: timeouts, precision, the group's start and end, waiting for the slowest rank.
 
-1. The process-group timeout (`process_group_timeout_s` in both configs). torch's default for NCCL is 10 minutes,
-   after which the watchdog kills a rank stuck in a collective. In train.py the fast ranks wait in the update's first
-   collective while the slowest rank finishes its rollouts (schedule.py shortens that wait; it cannot remove it),
-   and every rank waits while checkpoints and the final model are written. The default, 2 hours, is sized for the
-   report's stages 2-3 at 64 GPUs under schedule=static: the slowest rank's 256 rollouts (8 prompts x 2G = 32) can
-   all run to the 12,288-token budget, 3.1M tokens; a colocated 14B engine on an
-   H200 holds ~250K tokens of KV cache (tools/memory_plan.py), ~18 such rollouts at once, and each decode step reads its
-   weights and that cache (~70 GB at ~4.8 TB/s, ~15 ms) for ~18 tokens: ~1,200 tokens/s, ~45 minutes, plus the
-   tool calls. Writing a 14B checkpoint adds minutes (the gathered model alone is 30-60 GB). Twice that worst case
-   leaves room; a real hang still stops the run, after 2 hours instead of 10 minutes.
+1. The process-group timeout (`process_group_timeout_s` in the three entry points): how long one collective may
+   wait before it fails (torch's default for NCCL is 10 minutes, after which its watchdog stops the rank). The
+   long, uneven wait of a step, fast ranks waiting for the slowest one's rollouts, is not a collective: it is
+   `Peers.wait` (point 5). What is left are waits for work that every rank does alike: the hand-off's gathers, the
+   update's all-gathers and reduce-scatters, and the checkpoint and model writes, the longest of them. Writing a 14B
+   checkpoint (sharded: the fp32 masters and AdamW's two moments, 168 GB over the ranks) and the gathered model
+   (30-60 GB, from one rank) takes minutes; the default, 30 minutes, leaves several times that, and a rank that
+   hangs inside a collective stops the run after 30 minutes instead of 2 hours.
 2. FSDP2's mixed-precision policy: parameters gathered in bf16 for compute, gradients reduce-scattered in fp32.
    From `mixed_precision: bf16` Accelerate 1.15 builds `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16,
    output_dtype=bf16)` (`FullyShardedDataParallelPlugin.set_mixed_precision`, called from `AcceleratorState`), so
@@ -31,14 +29,34 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    one in a few such exits then dies in `terminate called without an active exception` (SIGABRT, exit code -6)
    after the work is done and saved, which every launcher and scheduler reads as a crash (pytorch/pytorch#190489).
    `Accelerator.end_training` destroys the group on the way out of a finished run; the error paths need it too.
+5. Waiting for the slowest rank with a heartbeat (`Peers`). While a rank rolls out, it adds to a counter of its
+   own in the process group's store (the TCP store torchrun and `accelerate launch` run, which outlives a worker)
+   after its engine steps, at most once a second. A rank that has finished says so in the store and polls the
+   others; one whose counter has not moved for `peer_timeout_s` (600 s by default: a healthy engine finishes a
+   step, and a tool call ends, well within it) is named in one line, and every rank still alive exits non-zero, so
+   that the launcher (`torchrun --max_restarts N`) restarts the group from the last checkpoint. A stopped process,
+   a hung engine and a dead node all read the same: NCCL itself would not notice a vanished peer. Keys carry the
+   launch's identity (a token rank 0 draws when the group starts, so a restarted group never reads an earlier
+   attempt's claims) and the step; a step's keys are deleted once every rank is past the step's first collective.
+6. A restarted group (`torchrun --max_restarts N`). torchrun's agent keeps one store for the whole launch under its
+   static rendezvous, and torch's env:// set-up hands it to the workers as it is (torch 2.13,
+   `torch/distributed/rendezvous.py`: "a new TCPStore for every retry", which the static rendezvous does not make).
+   A restarted worker then reads the dead attempt's addresses and fails ("Gloo connectFullMesh failed ... Connection
+   refused"). `start_process_group` sets up the group first, on that store under a prefix of the attempt
+   (TORCHELASTIC_RESTART_COUNT), with torch's default backends for the devices present (gloo for CPU, NCCL for
+   CUDA); Accelerate then uses the group it finds. Across nodes each agent counts its own restarts: they stay in step
+   when every node's workers stop on each failure, which the heartbeat (point 5) makes them do.
 """
 import contextlib
+import time
+import uuid
 import os
 from datetime import timedelta
 
 import torch
 
-PROCESS_GROUP_TIMEOUT_S = 7200  # the configs' default (point 1 above)
+PROCESS_GROUP_TIMEOUT_S = 1800  # the configs' default (point 1 above)
+PEER_TIMEOUT_S = 600            # a peer silent this long while others wait for it stops the run (point 5 above)
 REDUCE_DTYPE = torch.float32    # FSDP2 reduce-scatters gradients in this dtype under mixed_precision=bf16
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}  # the values the configs accept -> compute dtype
 
@@ -72,6 +90,21 @@ def fsdp_plugin(mixed_precision: str):
     return plugin
 
 
+def start_process_group(timeout_s: float) -> None:
+    """Under torchrun's agent store, the default process group on that store under a prefix of the restart attempt
+    (point 6 above); nothing on one process, under another launcher, or when a group is up."""
+    import torch.distributed as dist
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or world <= 1 or dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(store=dist.PrefixStore(f"attempt_{attempt}", store), rank=int(os.environ["RANK"]),
+                            world_size=world, timeout=timeout)
+
+
 def make_accelerator(*, mixed_precision: str, report_to: str | None, out_dir: str, timeout_s: float,
                      gradient_accumulation_steps: int = 1):
     """The Accelerator of an entry point: trackers checked, the process group's timeout, the FSDP2 policy. On a
@@ -79,6 +112,7 @@ def make_accelerator(*, mixed_precision: str, report_to: str | None, out_dir: st
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
     check_tracker(report_to)
+    start_process_group(timeout_s)
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision,
                        gradient_accumulation_steps=gradient_accumulation_steps, log_with=report_to or None,
                        project_dir=out_dir, fsdp_plugin=fsdp_plugin(mixed_precision),
@@ -192,9 +226,22 @@ def all_sum(accelerator, values: list[float]) -> list[float]:
 
 
 def reduce_sums(accelerator, sums: dict) -> dict:
-    """{name: (sum, count)} from every rank -> {name: global sum / global count} (NaN where the count is 0)."""
+    """{name: (sum, count)} from every rank -> {name: global sum / global count} (NaN where the count is 0). The
+    sums are matched by position, so the names are checked first to be the same, in the same order, on every rank
+    (one small gather): a difference stops every rank with one line naming the names, not a hang or mislabelled
+    numbers."""
+    check_same_names(all_gather(accelerator, list(sums)))
     flat = all_sum(accelerator, [x for pair in sums.values() for x in pair])
     return {k: (flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] else float("nan")) for i, k in enumerate(sums)}
+
+
+def check_same_names(names: list[list[str]]) -> None:
+    """Every rank's metric names (in rank order) are one list, or SystemExit with one line naming the difference."""
+    if any(n != names[0] for n in names):
+        differ = sorted({k for n in names for k in n} - set.intersection(*(set(n) for n in names)))
+        where = {k: [r for r, n in enumerate(names) if k in n] for k in differ}
+        raise SystemExit("reduce_sums: the ranks report different metrics: " + (
+            "; ".join(f"{k} on rank(s) {rs} only" for k, rs in where.items()) or "the same names in another order"))
 
 
 def all_max(accelerator, values: list[float]) -> list[float]:
@@ -231,3 +278,79 @@ def all_gather_rows(accelerator, rows: torch.Tensor) -> list[torch.Tensor]:
     parts = [torch.zeros_like(padded) for _ in range(world)]
     torch.distributed.all_gather(parts, padded)
     return [p[:c].cpu() for p, c in zip(parts, counts)]
+
+
+# ---------------------------------------------------------------- waiting for the slowest rank (point 5 above)
+class Peers:
+    """The ranks of this process group as seen through its store: `beat()` while working, `wait(phase)` when done
+    until every rank is done, stopping the run when one falls silent for `timeout_s`. `key(name)` names a key of
+    the current step (`start(step)`) under the launch's identity. Built by `peers` from the process group; on one
+    process there is nothing to wait for and no store."""
+
+    def __init__(self, timeout_s: float, name: str, store=None, rank: int = 0, world: int = 1, launch: str = "",
+                 poll_s: float = 1.0):
+        self.timeout_s, self.name, self.store, self.rank, self.world = timeout_s, name, store, rank, world
+        self.poll_s, self.prefix, self.step, self.last_beat = min(poll_s, timeout_s / 10), f"{name}/{launch}", None, 0.0
+
+    def key(self, what: str, step=None) -> str:
+        return f"{self.prefix}/{self.step if step is None else step}/{what}"
+
+    def start(self, step) -> None:
+        """A new step (any label: `step`, or ("eval", step)). Rank 0 deletes the previous step's keys: every rank
+        has passed a collective since it last read them."""
+        if self.store is not None and self.rank == 0 and self.step is not None:
+            for what in ["claims"] + [f"{k}/{r}" for k in ("beat", "done") for r in range(self.world)]:
+                self.store.delete_key(self.key(what))
+        self.step, self.last_beat = step, 0.0
+
+    def beat(self) -> None:
+        """Progress made: add to this rank's counter, at most once a second."""
+        now = time.monotonic()
+        if self.store is not None and now - self.last_beat >= 1.0:
+            self.store.add(self.key(f"beat/{self.rank}"), 1)
+            self.last_beat = now
+
+    def beating(self, running: int) -> list:
+        """rollout()'s `more` for rollouts that claim nothing (held-out evaluation): the heartbeat only."""
+        self.beat()
+        return []
+
+    def wait(self, phase: str) -> None:
+        """This rank is done with `phase`; return once every rank is, or stop (SystemExit, one line) when a rank
+        not done has not moved its counter for timeout_s, as this rank's clock counts (no clocks are compared)."""
+        if self.store is None:
+            return
+        store = self.store
+        store.add(self.key(f"done/{self.rank}"), 1)
+        pending, seen = [r for r in range(self.world) if r != self.rank], {}
+        while True:
+            now = time.monotonic()
+            pending = [r for r in pending if not store.add(self.key(f"done/{r}"), 0)]
+            if not pending:
+                return
+            for r in pending:
+                beats = store.add(self.key(f"beat/{r}"), 0)
+                if seen.get(r, (None,))[0] != beats:
+                    seen[r] = (beats, now)
+            silent = [r for r in pending if now - seen[r][1] > self.timeout_s]
+            if silent:
+                raise SystemExit(f"{self.name}: {self.label()}, {phase}: rank {', '.join(map(str, silent))} made no "
+                                 f"progress for {self.timeout_s:g} s (stopped, hung or gone; peer_timeout_s); rank "
+                                 f"{self.rank} stops so that the launcher can restart the group from the last "
+                                 "checkpoint")
+            time.sleep(self.poll_s)
+
+    def label(self) -> str:
+        return f"step {self.step + 1}" if isinstance(self.step, int) else str(self.step)
+
+
+def peers(timeout_s: float, name: str) -> Peers:
+    """The Peers of this process's group: its store, rank and size, and a launch token drawn by rank 0 (one
+    broadcast, so every rank calls this at the same point); a store-less Peers of one without a group."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return Peers(timeout_s, name)
+    launch = [uuid.uuid4().hex[:12]]
+    dist.broadcast_object_list(launch, src=0)
+    return Peers(timeout_s, name, dist.distributed_c10d._get_default_store(), dist.get_rank(),
+                 dist.get_world_size(), launch[0])

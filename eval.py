@@ -115,6 +115,7 @@ class EvalConfig:
     limit: int = 0                        # first N problems of each benchmark (0: all), for quick runs
     seed: int = 0
     torch_threads: int = 0                # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
+    peer_timeout_s: float = 600.0         # a rank silent this long while others wait for its share stops them all
     unsolved_out: str | None = None       # write problems solved < k of k times here (stage-3 data, report §4)
     overwrite: bool = False               # replace an evaluation of another config or model found in out_dir
     # --- code tool (report §3; public code: 4 s, 1,000 chars)
@@ -138,6 +139,7 @@ RANGES = {
     "max_turns": ">= 1", "batch_size": ">= 1", "limit": ">= 0", "seed": ">= 0 and <= 4294967295",
     "tool_workers": ">= 0", "tool_timeout": "> 0", "tool_memory_mb": ">= 1", "tool_max_output_chars": ">= 1",
     "vllm_tensor_parallel_size": ">= 1", "vllm_gpu_memory_utilization": "> 0 and <= 1", "torch_threads": ">= 0",
+    "peer_timeout_s": "> 0",
 }
 
 
@@ -164,7 +166,7 @@ def check_config(cfg: EvalConfig) -> None:
 
 # Keys that may differ from the evaluation already in out_dir when continuing or re-reading it: they change no sample.
 CONTINUE_FREE = {"out_dir", "overwrite", "unsolved_out", "torch_threads", "tool_workers", "tool_backend",
-                 "tool_require_isolation", "vllm_gpu_memory_utilization"}
+                 "tool_require_isolation", "vllm_gpu_memory_utilization", "peer_timeout_s"}
 
 
 # ============================================================================ metrics (pure)
@@ -265,16 +267,17 @@ def evaluate(problems: list[dict], sampler, tool, tokenizer, fmt, samples: int, 
 
 def roll_and_score(problems: list[dict], sampler, tool, tokenizer, fmt, samples: int, max_response_tokens: int,
                    max_turns: int, temperature: float = 0.6, top_p: float = 1.0, batch_size: int = 0,
-                   sync_turns: bool = False, progress: bool = False) -> tuple[list, int]:
+                   sync_turns: bool = False, progress: bool = False, more=None) -> tuple[list, int]:
     """`evaluate` without the summary: (the problem-major trajectories with `reward` set, the number of answer
-    checks that ran out of time). The command line's ranks each call it on their share of a benchmark."""
+    checks that ran out of time). The command line's ranks each call it on their share of a benchmark; `more`
+    goes to rollout() (the ranks' heartbeat)."""
     texts = [p["problem"] for p in problems for _ in range(samples)]
     step = batch_size or len(texts)
     trajs = []
     for s in _bar(range(0, len(texts), step), progress and len(texts) > step, "batches"):
         trajs += rollout(texts[s:s + step], sampler, tool, tokenizer, fmt, max_response_tokens, max_turns,
                          temperature=temperature, top_p=top_p, sync_turns=sync_turns,
-                         progress=progress and step == len(texts))
+                         progress=progress and step == len(texts), more=more)
     # r = 1 if the last boxed answer of the model's own text is equivalent to the gold answer (reward.py, sec. 3)
     verdicts = check_many([extract_answer(t.text) for t in trajs], [problems[i // samples]["answer"]
                                                                     for i in range(len(trajs))])
@@ -389,7 +392,8 @@ def start_ranks() -> tuple[int, int]:
     from datetime import timedelta
     import torch
     from accelerate import PartialState
-    from accel import PROCESS_GROUP_TIMEOUT_S
+    from accel import PROCESS_GROUP_TIMEOUT_S, start_process_group
+    start_process_group(PROCESS_GROUP_TIMEOUT_S)
     # cpu=True without a GPU: the only way PartialState sets up gloo across CPU processes
     state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
     if state.num_processes != world:  # every rank would evaluate everything and append to the same file
@@ -594,8 +598,10 @@ def evaluate_todo(cfg: EvalConfig, todo: list, results: dict, identity: dict, sa
     """The benchmarks not finished yet, each rank its share; the main process writes their trajectories and adds
     each to results (and results.json) as it ends."""
     from transformers import set_seed
+    from accel import peers as make_peers
     from code_tool import CodeTool
     main, k, out = rank == 0, cfg.samples, traj_file.parent
+    peers = make_peers(cfg.peer_timeout_s, "eval")  # waiting for the slowest rank's share (accel.py, point 5)
     say = print if main else (lambda *args: None)
     fmt = chat_format_of(cfg)
     tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
@@ -610,10 +616,12 @@ def evaluate_todo(cfg: EvalConfig, todo: list, results: dict, identity: dict, sa
             set_seed(rank_seed(cfg.seed, rank))
             start = time.perf_counter()
             mine = rank_share(len(problems), rank, world)
+            peers.start(name)
             trajs, timeouts = roll_and_score(
                 [problems[i] for i in mine], sampler, tool, tokenizer, fmt, k, cfg.max_response_tokens,
                 cfg.max_turns, cfg.temperature, cfg.top_p, cfg.batch_size, cfg.sync_turns,
-                progress=main) if mine else ([], 0)
+                progress=main, more=peers.beating) if mine else ([], 0)
+            peers.wait("rollouts")
             records = [trajectory_record(name, problems[mine[t // k]], mine[t // k], t % k, traj)
                        for t, traj in enumerate(trajs)]
             shares = gather_to_main((records, timeouts), rank, world)

@@ -162,8 +162,9 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
             progress: bool = False, more=None, seeds=None) -> list[Trajectory]:
     """Play out every problem (repeat a problem 2G times for a group) and return one Trajectory per problem, in
     order. sampler: see sampler.py (`add`, `step`, `has_work`); tool: a CodeTool (only `submit`).
-    more(running) -> list[str]: further problems, asked at the start and whenever a rollout ends, with the number of
-    rollouts not yet ended ([] for none now); their trajectories follow, in the order given (schedule.py).
+    more(running) -> list[str]: further problems, asked at the start and after every engine step (again after
+    each non-empty answer), with the number of rollouts not yet ended ([] for none now); their trajectories follow, in the order given (schedule.py). Being
+    asked is also the rank's sign of progress (accel.Peers).
     seeds(i, turn) -> the sampling seed of trajectory i's turn (schedule.Claims.seed); None: the sampler's own RNG."""
     trajs: list[Trajectory] = []
     running = 0  # rollouts not yet ended
@@ -178,7 +179,9 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
             sampler.add(i, trajs[i].prompt_ids, max_response_tokens, temperature, top_p, seeds and seeds(i, 0))
         running += len(new)
         bar.total += len(new)
-        if more is not None and (extra := more(running)):
+
+    def claim() -> None:  # asked again after what it gave, until it gives nothing
+        while more is not None and (extra := more(running)):
             start(extra)
 
     def go_on(i: int) -> None:
@@ -191,9 +194,9 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
         else:
             running -= 1
             bar.update(1)
-            start([])
 
     start(list(problems))
+    claim()
     while running:
         # 1. Generate: the turns that finished in this step are recorded; their tool calls start at once.
         for i, c in sampler.step() if sampler.has_work() else []:
@@ -216,6 +219,7 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
             i, call = in_flight.pop(future)
             append_tool_response(trajs[i], call, future.result(), tokenizer, max_response_tokens, fmt)
             go_on(i)
+        claim()
     bar.close()
     return trajs
 

@@ -97,11 +97,12 @@ class Claims:
     each rollout's slot (`slots`: group position x per_group + index in the group, in the order of the
     trajectories) and returns its prompt; `seed(i, turn)` is the sampling seed of trajectory i's turn."""
 
-    def __init__(self, take, prompts: list[str], per_group: int, step: int, seed: int):
+    def __init__(self, take, prompts: list[str], per_group: int, step: int, seed: int, beat=lambda: None):
         self.take, self.prompts, self.per_group, self.slots = take, prompts, per_group, []
-        self.step, self.base_seed = step, seed
+        self.step, self.base_seed, self.beat = step, seed, beat
 
     def __call__(self, running: int) -> list[str]:
+        self.beat()  # asked after every engine step: this rank's heartbeat (accel.Peers)
         got = self.take(running)
         self.slots += got
         return [self.prompts[s // self.per_group] for s in got]
@@ -115,18 +116,18 @@ SCHEDULES = {"balanced": ("store", True), "static": ("static", False)}
 
 
 def step_claims(schedule: str, step: int, prompts: list[str], per_group: int, capacity: int, claim_size: int,
-                seed: int, accelerator) -> Claims:
+                seed: int, peers) -> Claims:
     """The claims of one step's rollouts (its B prompts x per_group, in step order) on this rank, for the config's
-    schedule; `claim_size` rollouts a claim under `balanced`."""
-    rank, world, n = accelerator.process_index, accelerator.num_processes, len(prompts) * per_group
+    schedule; `claim_size` rollouts a claim under `balanced`. peers: accel.Peers, started on this step (its store,
+    the step's key under the launch's identity, the heartbeat)."""
+    rank, world, n = peers.rank, peers.world, len(prompts) * per_group
     if SCHEDULES[schedule][0] == "static":
         take = static_claims(n, per_group, rank, world)
     elif world == 1:  # one engine: it takes the whole step at once, as the static schedule does
         take = store_claims(torch.distributed.HashStore(), "claims", n, claim_size, math.inf)
     else:
-        store = torch.distributed.distributed_c10d._get_default_store()
-        take = store_claims(store, f"rollout_claims/{step}", n, claim_size, capacity)
-    return Claims(take, prompts, per_group, step, seed)
+        take = store_claims(peers.store, peers.key("claims"), n, claim_size, capacity)
+    return Claims(take, prompts, per_group, step, seed, peers.beat)
 
 
 def wait_fraction(times: list[float]) -> float:

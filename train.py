@@ -71,12 +71,14 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     t0 = time.perf_counter()
     # ---------------------------------------------------------------- 1-2. claim rollouts, play them out
     indices = prompt_indices(step, B, len(run.problems), cfg.seed)
+    run.peers.start(step)
     claims = step_claims(cfg.schedule, step, [run.problems[i]["problem"] for i in indices], K,
-                         cfg.rollout_batch_size, cfg.claim_size, cfg.seed, acc)
+                         cfg.rollout_batch_size, cfg.claim_size, cfg.seed, run.peers)
     trajs = rollout([], run.sampler, run.tool, run.tokenizer, run.fmt, max_response_tokens=cfg.max_response_tokens,
                     max_turns=cfg.max_turns, temperature=cfg.temperature, top_p=cfg.top_p,
                     sync_turns=cfg.sync_turns, progress=acc.is_local_main_process, more=claims, seeds=claims.seed)
     t_rollout = time.perf_counter() - t0
+    run.peers.wait("rollouts")  # for the slowest rank, with a heartbeat: a silent one stops the run (accel.py, 5)
     # ---------------------------------------------------------------- 3. reward: 0/1 on the final answer
     golds = [run.problems[indices[slot // K]]["answer"] for slot in claims.slots]
     verdicts = check_many([extract_answer(t.text) for t in trajs], golds)
@@ -85,6 +87,9 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     # ---------------------------------------------------------------- 4-6. drop equal groups, RoC, advantages
     # ... on the whole step: every rank gathers every rollout's reward and penalty counts (not its tokens)
     scores = gather_scores(acc, claims.slots, trajs)
+    if [s.slot for s in scores] != list(range(B * K)):  # the same on every rank: the scores are gathered
+        raise SystemExit(f"train: step {step + 1}: the ranks rolled out {len(scores)} rollouts "
+                         f"({len({s.slot for s in scores})} distinct) of the step's {B * K}")
     rewards, penalties = step_grids(scores, B, K)
     gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 10_007 + g) for g in range(B)]
     # A_i = (r_i - mean_group) / (std_group + 1e-6), unbiased std, every token of rollout i gets A_i
@@ -456,13 +461,15 @@ def validate(cfg: TrainConfig, world: int) -> None:
 
 
 # ============================================================================ set-up, evaluation, logging, main
-def held_out_eval(cfg: TrainConfig, run) -> dict:
+def held_out_eval(cfg: TrainConfig, run, step: int) -> dict:
     """Accuracy and diagnostics on the held-out split (mean reward over eval_samples samples per problem)."""
     acc = run.accelerator
     problems = run.eval_problems[acc.process_index::acc.num_processes]
+    run.peers.start(f"held-out evaluation after step {step}")
     trajs = rollout([p["problem"] for p in problems for _ in range(cfg.eval_samples)], run.sampler, run.tool,
                     run.tokenizer, run.fmt, max_response_tokens=cfg.max_response_tokens, max_turns=cfg.max_turns,
-                    temperature=cfg.eval_temperature, top_p=1.0, sync_turns=cfg.sync_turns)
+                    temperature=cfg.eval_temperature, top_p=1.0, sync_turns=cfg.sync_turns, more=run.peers.beating)
+    run.peers.wait("rollouts")
     verdicts = check_many([extract_answer(t.text) for t in trajs],
                           [problems[i // cfg.eval_samples]["answer"] for i in range(len(trajs))])
     rewards = [float(v.correct) for v in verdicts]
@@ -553,7 +560,8 @@ def setup(cfg: TrainConfig):
                           tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems, probe=probe,
                           pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out,
                           identity=identity, handoff_check=handoff.sync(acc, model, sampler, probe, "at the start"),
-                          one_row=one_row_attention(acc.unwrap_model(model)))
+                          one_row=one_row_attention(acc.unwrap_model(model)),
+                          peers=accel.peers(cfg.peer_timeout_s, "train"))
     run.tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
                         max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
                         require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)
@@ -622,7 +630,7 @@ def run_stage(cfg: TrainConfig) -> None:
             step += 1
             if run.eval_problems and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
                 start = time.perf_counter()
-                metrics.update(held_out_eval(cfg, run))
+                metrics.update(held_out_eval(cfg, run, step))
                 metrics["perf/eval_s"] = time.perf_counter() - start
             if acc.is_main_process:
                 with open(log_path, "a") as f:

@@ -6,10 +6,14 @@ copy never receives the weights (what the hand-off check must catch). Each rank 
 weight checksum) and sampler{R}.pt (the weights its sampler holds at the end); RECORD=1 records what each rank
 rolled out and trained on (`record_inputs`); WATCH_GRADS=1 records the whole gradients each rank holds after every
 backward (`watch_unsharded_grads`); COUNT_ALL_REDUCE=1 records how many all-reduces FSDP2 ran across replicas in every
-backward, and where each optimizer step fell (`count_replica_all_reduces`)."""
+backward, and where each optimizer step fell (`count_replica_all_reduces`); FAULT=stop|kill:RANK:STEP makes a rank
+stop or die during a step's rollouts (`inject_fault`); LOGPROBS_RANKS=0,2 gives log-probs from those ranks' samplers
+only (all: every rank's; unset: none)."""
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -89,6 +93,27 @@ def count_replica_all_reduces(out: Path, rank: int) -> None:
     torch.distributed.all_reduce, accelerate.Accelerator.backward, AcceleratedOptimizer.step = all_reduce, backward, step
 
 
+def inject_fault(spec: str, mark: Path) -> None:
+    """FAULT=stop|kill:RANK:STEP: rank RANK sends itself SIGSTOP or SIGKILL at its first engine step of training step
+    STEP (from 0), once per run folder: it first writes `mark` ({"pid", "time"}), and a restarted worker that finds
+    the mark goes on."""
+    kind, rank, step = spec.split(":")
+    if int(os.environ.get("RANK", 0)) != int(rank):
+        return
+    real_train_step, real_step, now = train.train_step, ScriptedSampler.step, [None]
+
+    def train_step(s, cfg, run):
+        now[0] = s
+        return real_train_step(s, cfg, run)
+
+    def sampler_step(self):
+        if now[0] == int(step) and not mark.exists():
+            mark.write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+            os.kill(os.getpid(), {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}[kind])
+        return real_step(self)
+    train.train_step, ScriptedSampler.step = train_step, sampler_step
+
+
 def record_inputs(out: Path, rank: int) -> None:
     """RECORD=1: each rank appends, per rollout() call, the problems it rolled out (rollouts{R}.jsonl), and per
     update_policy() call, each rollout it trains as (digest of its tokens, advantage, mini-batch) (kept{R}.jsonl)."""
@@ -132,8 +157,16 @@ if __name__ == "__main__":
         record_inputs(Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1]),
                       int(os.environ.get("RANK", 0)))
 
+    out_dir = Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1])
+    if os.environ.get("FAULT"):
+        inject_fault(os.environ["FAULT"], out_dir.parent / f"{out_dir.name}.fault")
+    with_logprobs = os.environ.get("LOGPROBS_RANKS", "")
+
     def make(cfg, model, tokenizer):
-        made.append(ScriptedSampler(model, tokenizer, use_rng=os.environ.get("SCRIPTED_RNG") == "1"))
+        rank = os.environ.get("RANK", "0")
+        shift = 0.0 if with_logprobs == "all" or rank in with_logprobs.split(",") else None
+        made.append(ScriptedSampler(model, tokenizer, use_rng=os.environ.get("SCRIPTED_RNG") == "1",
+                                    logprob_shift=shift))
         return made[-1]
 
     train.make_sampler = make

@@ -217,8 +217,9 @@ def test_rollout_takes_more_work_as_its_rollouts_end():
     trajs = rollout(["problem 0"], ScriptedSampler(scripts), FakeTool(), TOK, FMT, 2000, 5, more=more)
     assert [t.problem for t in trajs] == [f"problem {i}" for i in range(5)]  # in the order given
     assert all(t.end_reason == "answer" for t in trajs)
-    # at the start with 1 running it takes one more and is asked again with 2; when one ends, with 1 again
-    assert asked[:4] == [1, 2, 1, 2] and min(asked) == 0 and not queue
+    # at the start with 1 running it takes one more and is asked again with 2; after the engine step that ended
+    # both, with 0, then 1, then 2
+    assert asked[:5] == [1, 2, 0, 1, 2] and not queue
 
 
 def test_the_step_line_shows_the_wait_only_when_it_is_large():
@@ -228,8 +229,8 @@ def test_the_step_line_shows_the_wait_only_when_it_is_large():
 
 
 def test_one_process_claims_the_whole_step_at_once_under_either_schedule():
-    from types import SimpleNamespace
-    one = SimpleNamespace(process_index=0, num_processes=1)
+    from accel import Peers
+    one = Peers(600, "test")  # no process group: rank 0 of 1, no store
     prompts = ["a", "b", "c"]
     for schedule, claim_size in (("balanced", 1), ("balanced", 2), ("static", 1)):
         claims = step_claims(schedule, 0, prompts, 2, 1, claim_size, 0, one)  # a capacity of 1 binds only across ranks

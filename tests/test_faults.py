@@ -1,0 +1,147 @@
+"""Faults at several ranks, on CPU processes over gloo: a rank stopped (SIGSTOP) or killed during a step's
+rollouts stops the others within peer_timeout_s + 60 s, with one line naming it (accel.Peers); torchrun
+--max_restarts 1 brings a group with a killed worker back from its last checkpoint, and the run ends with the
+metrics and weights of one never stopped; ranks whose samplers differ in giving log-probs, and a rank with only
+fillers, neither hang nor mislabel metrics. Rollouts come from the scripted policy (tests/run_scripted_train.py)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from data import write_jsonl
+from scripted_policy import say_problems
+from test_train_invariance import assert_same_metrics_and_weights, free_port, metrics
+from tiny.model import build_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "run_scripted_train.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+PEER_TIMEOUT_S = 5
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    build_tiny(root / "base", hidden=32, layers=2, heads=2)
+    write_jsonl(root / "train.jsonl", say_problems(9))
+    write_jsonl(root / "held_out.jsonl", say_problems(5, start=20))
+    return root
+
+
+def args(data: Path, out: Path, steps: int = 3, extra=()) -> list[str]:
+    return ["configs/tiny/stage1.yaml", f"model_path={data / 'base'}", f"data=[{data / 'train.jsonl'}]",
+            f"out_dir={out}", "prompts_per_step=6", "rollouts_per_prompt=8", "group_size=4", "updates_per_step=2",
+            "max_tokens_per_micro_batch=256", f"steps={steps}", "lr=1e-3", "warmup_steps=10",
+            "max_response_tokens=96", "save_every=1", "torch_threads=1", "tool_workers=1",
+            f"eval_data={data / 'held_out.jsonl'}", "eval_every=1", "eval_samples=2", "eval_limit=0",
+            f"peer_timeout_s={PEER_TIMEOUT_S}", *extra]
+
+
+def torchrun(world: int, *options: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), *options]
+
+
+def ended_after_fault(done_at: float, out: Path) -> tuple[float, int]:
+    """(seconds from the fault to `done_at`, the faulty rank's pid), from the mark the rank wrote."""
+    mark = json.loads((out.parent / f"{out.name}.fault").read_text())
+    return done_at - mark["time"], mark["pid"]
+
+
+def reap(pid: int) -> None:
+    """The stopped rank, if its launcher left it behind."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_stopped_rank_stops_the_others_with_one_line_naming_it(data, world):
+    out = data / f"stopped{world}"
+    silent = world - 1
+    done = subprocess.run(torchrun(world, "--master_port", str(free_port())) + [str(SCRIPT)] + args(data, out),
+                          env={**ENV, "FAULT": f"stop:{silent}:1"}, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    seconds, pid = ended_after_fault(time.time(), out)
+    reap(pid)
+    assert done.returncode != 0
+    line = f"train: step 2, rollouts: rank {silent} made no progress for {PEER_TIMEOUT_S} s"
+    said = [x for x in done.stderr.splitlines() if line in x]
+    assert len(said) == world - 1, done.stderr[-3000:]  # every rank still alive says it, once
+    assert seconds <= PEER_TIMEOUT_S + 60, seconds
+    assert len(metrics(out)) == 1  # step 1 was logged and saved; step 2 never finished
+
+
+def test_a_killed_rank_on_another_node_stops_this_one(data):
+    """Two torchrun agents on one machine, one process each, as two nodes run (static rendezvous): the second
+    node's worker dies; its agent ends, and the first node's worker, whom no launcher tells, stops itself."""
+    out, port = data / "nodes", str(free_port())
+    node = lambda rank: subprocess.Popen(  # noqa: E731
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank),
+         "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port, str(SCRIPT)]
+        + args(data, out), env={**ENV, "FAULT": "kill:1:1"}, cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    first, second = node(0), node(1)
+    _, err1 = first.communicate(timeout=600)
+    seconds, _ = ended_after_fault(time.time(), out)
+    second.communicate(timeout=120)
+    assert first.returncode != 0 and second.returncode != 0
+    assert f"train: step 2, rollouts: rank 1 made no progress for {PEER_TIMEOUT_S} s" in err1, err1[-3000:]
+    assert seconds <= PEER_TIMEOUT_S + 60, seconds
+
+
+def test_a_restarted_group_resumes_from_its_checkpoint_as_if_never_stopped(data):
+    """torchrun --max_restarts 1: rank 1 is killed in step 3's rollouts, after step 2's checkpoint; the agent
+    restarts both workers, which resume from it (a new launch identity: the killed attempt's claims counter of step 3
+    is still in the agent's store, and is not read). Every count (rewards, tokens, RoC, held-out) equals an
+    uninterrupted run's, so each resumed step rolled out all its prompts once; losses and weights agree to float
+    rounding, since which rank claims which rollout, and so the update's summation order, depends on timing."""
+    plain, restarted = data / "plain", data / "restarted"
+    for out, env in ((plain, {}), (restarted, {"FAULT": "kill:1:2"})):
+        done = subprocess.run(torchrun(2, "--master_port", str(free_port()), "--max_restarts", "1")
+                              + [str(SCRIPT)] + args(data, out, steps=4), env={**ENV, **env}, cwd=ROOT,
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert (restarted.parent / "restarted.fault").exists()  # the fault happened
+    assert "resumed from" in done.stdout + done.stderr
+    assert [r["step"] for r in metrics(restarted)] == [1, 2, 3, 4]  # step 3 logged once, by the restarted group
+    assert_same_metrics_and_weights(plain, restarted)
+
+
+def test_samplers_that_differ_in_log_probs_give_no_gap_and_do_not_hang(data):
+    """One rank's sampler gives log-probs and the other's none (schedule=static: each rank keeps rollouts of its own
+    prompts, so both kinds are kept every step): the gap is not measured (no mismatch/* keys), on both ranks alike;
+    a correction that needs them stops both with one line."""
+    out = data / "mixed"
+    static = ["schedule=static"]
+    done = subprocess.run(torchrun(2, "--master_port", str(free_port())) + [str(SCRIPT)]
+                          + args(data, out, steps=2, extra=static),
+                          env={**ENV, "LOGPROBS_RANKS": "0"}, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = metrics(out)
+    assert len(rows) == 2 and all(not any(k.startswith("mismatch/") for k in row) for row in rows), rows
+    done = subprocess.run(torchrun(2, "--master_port", str(free_port())) + [str(SCRIPT)]
+                          + args(data, data / "mixed_tis", steps=1, extra=static + ["mismatch_correction=tis"]),
+                          env={**ENV, "LOGPROBS_RANKS": "0"}, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert done.stderr.count("mismatch_correction=tis needs the sampler's log-probs") == 2, done.stderr[-3000:]
+
+
+def test_a_rank_with_only_fillers_measures_the_gap_with_the_others(data):
+    """Three ranks, three prompts of 4 rollouts a step, groups of 2 and three mini-batches: each mini-batch holds
+    one group's 2 kept rollouts, so one rank trains fillers only in each; with log-probs everywhere the gap is
+    measured and logged, and the run ends."""
+    out = data / "fillers"
+    done = subprocess.run(torchrun(3, "--master_port", str(free_port())) + [str(SCRIPT)]
+                          + args(data, out, steps=2, extra=["prompts_per_step=3", "rollouts_per_prompt=4",
+                                                            "group_size=2", "updates_per_step=3"]),
+                          env={**ENV, "LOGPROBS_RANKS": "all"}, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2, rows
+    assert all(r["perf/update_filler_frac"] > 0 and "mismatch/logp_abs_diff_mean" in r for r in rows), rows

@@ -1,0 +1,98 @@
+"""accel.Peers: waiting for the slowest rank with a heartbeat through a store. Ranks are threads sharing one
+HashStore here (the launcher's TCP store behaves alike); tests/test_faults.py stops and kills real ranks."""
+import threading
+import time
+
+import pytest
+import torch
+
+from accel import Peers, check_same_names
+
+pytestmark = pytest.mark.spec
+
+
+def ranks(world: int, timeout_s: float, poll_s: float = 0.05) -> list[Peers]:
+    store = torch.distributed.HashStore()
+    return [Peers(timeout_s, "t", store, r, world, "launch", poll_s) for r in range(world)]
+
+
+def test_a_rank_that_keeps_beating_is_waited_for_past_the_timeout():
+    """Rank 1 works 1.5 s, beating, with a timeout of 0.6 s: rank 0 waits for it and returns once it is done."""
+    p0, p1 = ranks(2, 0.6)
+    for p in (p0, p1):
+        p.start(0)
+
+    def work():
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            p1.last_beat = 0.0  # beat() throttles to once a second; the test beats faster than its timeout
+            p1.beat()
+            time.sleep(0.1)
+        p1.wait("rollouts")
+    t = threading.Thread(target=work)
+    t.start()
+    start = time.monotonic()
+    p0.wait("rollouts")
+    assert time.monotonic() - start >= 1.4
+    t.join()
+
+
+@pytest.mark.parametrize("world,silent", [(2, 1), (3, 2), (3, 0)])
+def test_a_silent_rank_stops_every_rank_waiting_with_one_line_naming_it(world, silent):
+    peers = ranks(world, 0.5)
+    for p in peers:
+        p.start(4)
+    said = {}
+
+    def wait(p):
+        try:
+            p.wait("rollouts")
+        except SystemExit as e:
+            said[p.rank] = (str(e), time.monotonic() - start)
+    start = time.monotonic()
+    waiters = [threading.Thread(target=wait, args=(p,)) for p in peers if p.rank != silent]
+    for t in waiters:
+        t.start()
+    for t in waiters:
+        t.join()
+    assert sorted(said) == [r for r in range(world) if r != silent]
+    for line, seconds in said.values():  # every waiting rank, after about the timeout
+        assert line.startswith(f"t: step 5, rollouts: rank {silent} made no progress for 0.5 s") and seconds < 1.0
+
+
+def test_a_rank_done_before_the_waiter_came_is_not_waited_for():
+    p0, p1 = ranks(2, 0.3)
+    for p in (p0, p1):
+        p.start("eval")
+    threading.Thread(target=p1.wait, args=("rollouts",)).start()
+    time.sleep(0.1)
+    p0.wait("rollouts")  # p1 is done (and waits for p0): both return
+
+
+def test_keys_carry_the_launch_and_the_step_and_a_step_s_keys_go_at_the_next():
+    store = torch.distributed.HashStore()
+    old = Peers(1, "train", store, 0, 1, "first")
+    new = Peers(1, "train", store, 0, 1, "second")
+    old.start(3)
+    store.add(old.key("claims"), 7)
+    new.start(3)
+    assert store.add(new.key("claims"), 0) == 0  # a restarted launch does not read an earlier attempt's counter
+    new.beat()
+    assert store.check([new.key("beat/0")])
+    new.start(4)
+    assert not store.check([new.key("beat/0", step=3)]) and store.check([old.key("claims")])
+
+
+def test_one_process_has_nothing_to_wait_for():
+    alone = Peers(0.1, "train")
+    alone.start(0)
+    alone.beat()
+    alone.wait("rollouts")  # returns at once, no store
+
+
+def test_metric_names_must_agree_over_ranks():
+    check_same_names([["a", "b"], ["a", "b"]])
+    with pytest.raises(SystemExit, match=r"mismatch/kl on rank\(s\) \[1\] only"):
+        check_same_names([["a"], ["a", "mismatch/kl"], ["a"]])
+    with pytest.raises(SystemExit, match="another order"):
+        check_same_names([["a", "b"], ["b", "a"]])
