@@ -1,8 +1,12 @@
 """The rollout scheduler measured: train.py on 2 and 3 CPU processes (torchrun, gloo), schedule=static against
-schedule=balanced claiming whole prompts (claim_size 4) and single rollouts (claim_size 1), side by side in one
-run, on a step whose prompts are skewed (half of them long).
+schedule=balanced claiming whole prompts (claim_size = rollouts per prompt), pairs (claim_size 2, the 14B configs')
+and single rollouts (claim_size 1), side by side in one run, on a step whose prompts are skewed (half of them long).
 
-    .venv/bin/python bench/rollout_balance.py [--steps 6 --prompts 24 --long 288 --short 24 --worlds 2 3]
+    .venv/bin/python bench/rollout_balance.py [--steps 6 --prompts 12 --rollouts 8 --slots 4 --long 288 --short 24]
+
+By default a prompt has more rollouts than an engine runs at once (8 against 4), as at the report's scale (2G = 32
+rollouts a prompt against 24 a 14B engine runs, configs/qwen3-14b): a long prompt claimed whole then decodes in
+waves on one rank. `--rollouts 4 --slots 8 --prompts 24` is the other shape, a prompt well inside one engine.
 
 The work is real where the scheduler acts: train.py's own step, the tiny model decoding in samplers/hf.py
 (rollout_batch_size rollouts at a time per rank), claims through torchrun's store, the update's forward and backward
@@ -72,18 +76,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# printed name -> (schedule, claim_size)
-SETTINGS = {"static": ("static", 4), "prompts": ("balanced", 4), "rollouts": ("balanced", 1)}
+# printed name -> (schedule, claim_size; None: a whole prompt's rollouts)
+SETTINGS = {"static": ("static", None), "prompts": ("balanced", None), "pairs": ("balanced", 2),
+            "rollouts": ("balanced", 1)}
 
 
 def run(root: Path, world: int, name: str, args) -> dict:
     schedule, claim_size = SETTINGS[name]
+    claim_size = claim_size or args.rollouts
     out = root / f"{name}{world}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
            str(free_port()), str(Path(__file__).resolve()), "--worker", "--long", str(args.long), "--short",
            str(args.short), "--", "configs/tiny/stage1.yaml", f"model_path={root / 'base'}",
            f"data=[{root / 'train.jsonl'}]", f"out_dir={out}", f"schedule={schedule}", f"claim_size={claim_size}", f"steps={args.steps}",
-           f"prompts_per_step={args.prompts}", "rollouts_per_prompt=4", "group_size=2", f"rollout_batch_size={args.slots}",
+           f"prompts_per_step={args.prompts}", f"rollouts_per_prompt={args.rollouts}", f"group_size={args.rollouts // 2}",
+           f"rollout_batch_size={args.slots}",
            f"max_response_tokens={args.long}", "max_turns=1", "eval_data=null",
            "eval_every=0", f"save_every={args.steps}", "torch_threads=1", "tool_workers=1", "log_every=1000"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
@@ -97,10 +104,11 @@ def run(root: Path, world: int, name: str, args) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=6, help="RL steps per run (the first is not counted)")
-    p.add_argument("--prompts", type=int, default=24, help="prompts per step, half of them long: every problem once")
+    p.add_argument("--prompts", type=int, default=12, help="prompts per step, half of them long: every problem once")
+    p.add_argument("--rollouts", type=int, default=8, help="rollouts per prompt (2G; RoC keeps half)")
     p.add_argument("--long", type=int, default=288, help="tokens every rollout of a long prompt decodes")
     p.add_argument("--short", type=int, default=24, help="tokens every rollout of a short prompt decodes")
-    p.add_argument("--slots", type=int, default=8, help="rollout_batch_size: rollouts a rank runs at once")
+    p.add_argument("--slots", type=int, default=4, help="rollout_batch_size: rollouts a rank runs at once")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 3])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
@@ -112,9 +120,10 @@ def main(argv=None) -> None:
         root = Path(tmp)
         build_tiny(root / "base", max_positions=512)
         write_jsonl(root / "train.jsonl", skewed_problems(args.prompts))
-        print(f"tiny model, {args.prompts} prompts x 4 rollouts a step, half LONG ({args.long} tokens) and half short "
+        print(f"tiny model, {args.prompts} prompts x {args.rollouts} rollouts a step, half LONG ({args.long} tokens) and half short "
               f"({args.short}), {args.slots} rollouts at a time per rank, {args.steps - 1} steps counted")
-        print("claims: static = fixed shares; prompts = balanced, whole prompts; rollouts = balanced, single rollouts")
+        print("claims: static = fixed shares; prompts = balanced, whole prompts; pairs = balanced, 2 rollouts; "
+              "rollouts = balanced, single rollouts")
         print(f"{'processes':>9} {'claims':>9} " + " ".join(f"{name:>12}" for name, _ in COLUMNS))
         for world in args.worlds:
             results = {name: run(root, world, name, args) for name in SETTINGS}
@@ -125,7 +134,8 @@ def main(argv=None) -> None:
             s, b = results["static"], results["rollouts"]
             print(f"{world:>9} {'ratio':>9} {s['perf/step_s'] / b['perf/step_s']:>11.2f}x  (static / rollouts step "
                   f"time); rollout wait {wait['rollouts'] / max(wait['static'], 1e-9):.2f} of static's, "
-                  f"{wait['rollouts'] / max(wait['prompts'], 1e-9):.2f} of whole prompts'")
+                  f"{wait['rollouts'] / max(wait['prompts'], 1e-9):.2f} of whole prompts'; pairs "
+                  f"{wait['pairs'] / max(wait['static'], 1e-9):.2f} and {wait['pairs'] / max(wait['prompts'], 1e-9):.2f}")
 
 
 if __name__ == "__main__":
