@@ -45,11 +45,12 @@ import torch
 from tqdm import tqdm
 
 import accel
-from checkpoint import (begin_run, input_dtype, latest_checkpoint, load_checkpoint, load_optimizer, optimizer_file,
+from checkpoint import (atomic_write_text, begin_run, input_dtype, latest_checkpoint, load_checkpoint, load_optimizer, optimizer_file,
                         resume_point, run_identity, save_checkpoint, save_model)
 from code_tool import ERROR_FORMATS, CodeTool, SandboxError, announce, choose_sandbox
 from config import check_ranges, format_config, parse_cli, save_config, tracker_config
 from data import check_model_path, load_pretrained, load_problems
+from eval import trajectory_record
 from samplers.hf import HFSampler
 from logprobs import sampled_logprobs
 from tools.plots import plot_curves
@@ -95,6 +96,9 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     # A_i = (r_i - mean_group) / (std_group + 1e-6), unbiased std, every token of rollout i gets A_i
     groups, kept_idx, adv = select_step(rewards, penalties, cfg.group_size, cfg.roc_mode, gens)
     kept = kept_slots(groups, kept_idx, adv, K, cfg)  # slot -> (advantage, mini-batch)
+    if cfg.save_rollouts_every and (step + 1) % cfg.save_rollouts_every == 0:
+        save_rollouts(acc, run.out / "rollouts" / f"step_{step + 1:06d}.jsonl", step + 1,
+                      [run.problems[indices[slot // K]] for slot in claims.slots], claims.slots, trajs, K, kept)
     # ---------------------------------------------------------------- 7-8. old log-probs, policy update
     # ... on micro-batch slots balanced over ranks by tokens (schedule.py: under `static`, each rank's own)
     t1 = time.perf_counter()
@@ -461,6 +465,23 @@ def validate(cfg: TrainConfig, world: int) -> None:
 
 
 # ============================================================================ set-up, evaluation, logging, main
+def save_rollouts(acc, path: Path, step: int, problems: list[dict], slots: list[int], trajs: list, per_group: int,
+                  kept: dict) -> None:
+    """Every rollout of the step, from every rank, as eval.py's trajectory records (problem-major) with what the
+    update made of it: the step, its penalty counts' total, whether RoC kept it, its advantage and mini-batch.
+    Rank 0 writes the file whole (a resumed step writes it again)."""
+    mine = [{**trajectory_record(f"step {step}", problem, slot // per_group, slot % per_group, t), "step": step,
+             "penalty": penalty_total(t.num_tool_calls, t.num_failed_tool_calls, t.num_answer_blocks, t.num_turns),
+             "kept": slot in kept, "advantage": kept[slot][0] if slot in kept else None,
+             "minibatch": kept[slot][1] if slot in kept else None}
+            for problem, slot, t in zip(problems, slots, trajs)]
+    every = [r for rank in accel.all_gather(acc, mine) for r in rank]
+    records = sorted(every, key=lambda r: (r["problem_index"], r["sample"]))
+    if acc.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
 def held_out_eval(cfg: TrainConfig, run, step: int) -> dict:
     """Accuracy and diagnostics on the held-out split (mean reward over eval_samples samples per problem)."""
     acc = run.accelerator

@@ -98,6 +98,7 @@ class TrainConfig:
     eval_temperature: float = 0.6
     eval_limit: int = 0                   # first N held-out problems (0: all)
     save_every: int = 50
+    save_rollouts_every: int = 0          # steps between written rollouts (out_dir/rollouts/step_N.jsonl); 0: none
     keep_checkpoints: int = 2
     report_to: str | None = None          # tensorboard | wandb (Accelerate trackers); stops if it cannot start
     process_group_timeout_s: float = accel.PROCESS_GROUP_TIMEOUT_S  # a collective's wait; sized in accel.py
@@ -121,7 +122,7 @@ RANGES = {
     "adam_beta2": ">= 0 and < 1", "grad_clip": "> 0", "updates_per_step": ">= 1", "micro_batch_size": ">= 1",
     "max_tokens_per_micro_batch": ">= 0",
     "log_every": ">= 1", "eval_every": ">= 0", "eval_samples": ">= 1", "eval_temperature": ">= 0",
-    "eval_limit": ">= 0", "save_every": ">= 1", "keep_checkpoints": ">= 1", "torch_threads": ">= 0",
+    "eval_limit": ">= 0", "save_every": ">= 1", "save_rollouts_every": ">= 0", "keep_checkpoints": ">= 1", "torch_threads": ">= 0",
     "process_group_timeout_s": "> 0", "peer_timeout_s": "> 0",
 }
 
@@ -130,7 +131,8 @@ RANGES = {
 # the run computes (printing, trackers, checkpoint cadence, threads and tool workers, the vLLM memory share). Any other
 # change (steps, batch shapes, data, lr, seeds, budgets) is refused unless named in resume_allow_changes.
 RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "dry_run", "world_size", "gpus_per_node",
-               "gpu_memory_gb", "model_shape", "log_every", "report_to", "save_every", "keep_checkpoints",
+               "gpu_memory_gb", "model_shape", "log_every", "report_to", "save_every", "save_rollouts_every",
+               "keep_checkpoints",
                "torch_threads", "tool_workers", "tool_backend", "tool_require_isolation",
                "vllm_gpu_memory_utilization", "process_group_timeout_s", "peer_timeout_s"}
 

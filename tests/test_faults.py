@@ -135,13 +135,17 @@ def test_samplers_that_differ_in_log_probs_give_no_gap_and_do_not_hang(data):
 def test_a_rank_with_only_fillers_measures_the_gap_with_the_others(data):
     """Three ranks, three prompts of 4 rollouts a step, groups of 2 and three mini-batches: each mini-batch holds
     one group's 2 kept rollouts, so one rank trains fillers only in each; with log-probs everywhere the gap is
-    measured and logged, and the run ends."""
+    measured and logged, and the run ends; the saved step holds every rank's rollouts."""
     out = data / "fillers"
     done = subprocess.run(torchrun(3, "--master_port", str(free_port())) + [str(SCRIPT)]
                           + args(data, out, steps=2, extra=["prompts_per_step=3", "rollouts_per_prompt=4",
-                                                            "group_size=2", "updates_per_step=3"]),
+                                                            "group_size=2", "updates_per_step=3",
+                                                            "save_rollouts_every=2"]),
                           env={**ENV, "LOGPROBS_RANKS": "all"}, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2, rows
     assert all(r["perf/update_filler_frac"] > 0 and "mismatch/logp_abs_diff_mean" in r for r in rows), rows
+    saved = [json.loads(x) for x in (out / "rollouts" / "step_000002.jsonl").read_text().splitlines()]
+    assert [(r["problem_index"], r["sample"]) for r in saved] == [(g, i) for g in range(3) for i in range(4)]
+    assert sum(r["kept"] for r in saved) == 6  # every rank's rollouts, in one file: RoC kept 2 of each group

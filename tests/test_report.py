@@ -272,3 +272,48 @@ def test_screenshot_command_writes_the_png(tmp_path):
     png = (tmp_path / "shot.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert int.from_bytes(png[16:20], "big") == 800 and int.from_bytes(png[20:24], "big") == 600
+
+
+def training_rollouts(tmp_path) -> Path:
+    """The recorded evaluation as a training step's rollout file: sample 0 of every problem kept by RoC (advantage
+    +0.5 when right, -0.5 when wrong, mini-batch = problem index), sample 1 not trained on."""
+    records = [json.loads(x) for x in (RECORDED / "trajectories.jsonl").read_text().splitlines()]
+    path = tmp_path / "run" / "rollouts" / "step_000007.jsonl"
+    path.parent.mkdir(parents=True)
+    rows = [{**r, "benchmark": "step 7", "problem_index": i // 2, "sample": i % 2, "step": 7, "penalty": 0.25 * i,
+             "kept": i % 2 == 0, "advantage": (0.5 if r["reward"] == 1 else -0.5) if i % 2 == 0 else None,
+             "minibatch": i // 2 if i % 2 == 0 else None} for i, r in enumerate(records)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_training_rollouts_page_marks_what_roc_kept_and_refuses_an_evaluation_file(tmp_path):
+    path = training_rollouts(tmp_path)
+    out = report.write_rollouts_report(path)
+    assert out == path.with_suffix(".html")
+    data = page_data(out.read_text())
+    shown = samples(data, 0)
+    assert [s["roc"]["kept"] for s in shown] == [True, False] * 4
+    assert [s["roc"]["advantage"] for s in shown[::2]] == [0.5 if s["reward"] == 1 else -0.5 for s in shown[::2]]
+    assert all(("kept" in s["flags"]) != ("dropped" in s["flags"]) for s in shown)
+    results = report.rollout_results(report.load_rollouts(path))
+    records = [json.loads(x) for x in path.read_text().splitlines()]
+    assert results["step 7"]["pass@1"] == pytest.approx(sum(r["reward"] for r in records) / 8)
+    assert results["step 7"]["problems"] == 4 and results["step 7"]["samples"] == 2
+    assert '<a href="#b=0&amp;show=kept">4</a>' in out.read_text()
+    with pytest.raises(SystemExit, match=r"trajectories.jsonl:1: missing key 'step'"):
+        report.main([str(RECORDED / "trajectories.jsonl")])
+
+
+@browser_test
+def test_training_rollouts_page_in_chromium(tmp_path):
+    out = report.write_rollouts_report(training_rollouts(tmp_path))
+    result = browser.open_page(f"{out}#b=0&open=0", expressions=(
+        "[...document.querySelectorAll('.roc')].map(e => e.className + ': ' + e.textContent).join(' | ')",
+        "document.querySelectorAll('.chip.faded').length",
+        choose("show", "kept"), choose("show", "dropped"),
+        "document.querySelectorAll('details.problem[open] .sample').length"))
+    assert result.errors == [] and not result.blank
+    assert result.values[0] == ("roc kept: kept by RoC · advantage +0.500 · mini-batch 0 · penalty 0 | roc dropped: "
+                                "not trained on (RoC left it out, or its group's rewards were equal) · penalty 0.25")
+    assert result.values[1:] == [4, 4, 4, 1]  # faded chips; problems with a kept / a dropped sample; one shown

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
+from tools import report
 from grpo_roc import select_step
 from data import write_jsonl
 from protocol import chat_format
@@ -434,3 +435,36 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny, tmp_p
         train.main(args(tiny, out, "steps=3", "max_tokens_per_micro_batch=4096"))
     assert log_steps(out) == [1] and (out / "latest").read_text().strip() == "checkpoint-1"
     assert not (out / "model").exists() and not (out / "checkpoint-2").exists()
+
+
+def test_a_saved_steps_rollouts_carry_the_marks_the_update_trained_on(tiny, tmp_path, monkeypatch):
+    """save_rollouts_every=2 over 2 steps: one file, step 2's 2 x 8 rollouts, each marked as RoC chose it; the kept
+    ones carry the advantages and mini-batches the update trained on; the page shows the marks."""
+    scripted(monkeypatch)
+    trained, real_update = [], train.update_policy
+
+    def update_policy(acc, model, optimizer, scheduler, work, *a, **k):
+        trained.append(sorted((round(t.advantage, 9), u) for u, slots in enumerate(work.minibatches)
+                              for micro in slots for t in micro.items()))
+        return real_update(acc, model, optimizer, scheduler, work, *a, **k)
+    monkeypatch.setattr(train, "update_policy", update_policy)
+    out = tmp_path / "run"
+    train.main(args(tiny, out, "save_rollouts_every=2", "updates_per_step=2"))
+    assert sorted(p.name for p in (out / "rollouts").iterdir()) == ["step_000002.jsonl"]
+    records = report.load_rollouts(out / "rollouts" / "step_000002.jsonl")
+    assert [(r["problem_index"], r["sample"]) for r in records] == [(g, i) for g in range(2) for i in range(8)]
+    assert {r["step"] for r in records} == {2} and {r["benchmark"] for r in records} == {"step 2"}
+    kept = [r for r in records if r["kept"]]
+    assert sorted((round(r["advantage"], 9), r["minibatch"]) for r in kept) == trained[1]
+    assert all(r["advantage"] is None and r["minibatch"] is None for r in records if not r["kept"])
+    for g in range(2):  # groups of 4 of 8, rewards mixed: RoC keeps 4 of each, their advantages sum to 0
+        group = [r for r in kept if r["problem_index"] == g]
+        assert len(group) == 4 and abs(sum(r["advantage"] for r in group)) < 1e-6
+        assert all((r["advantage"] > 0) == (r["reward"] == 1) for r in group)
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[1])
+    assert sum(r["reward"] for r in records) / 16 == pytest.approx(row["rollout/reward_mean"])
+    page = report.write_rollouts_report(out / "rollouts" / "step_000002.jsonl")
+    data = json.loads(page.read_text().split('id="data">')[1].split("</script>")[0])
+    samples = [s for p in data["benchmarks"][0]["problems"] for s in p["samples"]]
+    assert [s["roc"]["kept"] for s in samples] == [r["kept"] for r in records]
+    assert all(("kept" in s["flags"]) == s["roc"]["kept"] for s in samples) and "kept by RoC" in page.read_text()

@@ -14,7 +14,8 @@
   5. eval.py         after SFT and after every stage, on the held-out split; stage 3's data comes from eval.py too,
                      and every RL stage's model is scored on the validation split: the final model is the stage
                      that scores highest there, a later one winning a tie (guard_stages)
-  6. tools/report.py       the problems that changed from SFT to stage 3, side by side (compare_sft_stage3.html)
+  6. tools/report.py       the problems that changed from SFT to stage 3, side by side (compare_sft_stage3.html),
+                           and each RL stage's last step's rollouts with RoC's choice (stageN/rollouts/step_N.html)
 Each step writes into its own folder and, when its command succeeds, a marker `step.json` there recording the command,
 the values the YAML configs it reads set (their comments do not count) and the markers of the steps it depends on.
 A step is done only when its marker matches all three; otherwise it runs again: in place when it was merely
@@ -46,7 +47,7 @@ import yaml
 
 from checkpoint import atomic_write_text
 from code_tool import BACKENDS, announce, choose_sandbox
-from tools.report import write_compare
+from tools.report import write_compare, write_rollouts_report
 
 STAGES = ["sft", "stage1", "stage2", "stage3"]
 # --quick: overrides that make every entry point take a few steps (CI); the plumbing is the same.
@@ -54,7 +55,7 @@ QUICK = {
     "task": ["--n-train", "64", "--n-test", "8", "--n-sft", "96", "--n-val", "4"],
     "sft": ["max_steps=4", "log_every=1"],
     "train": ["steps=2", "prompts_per_step=2", "rollouts_per_prompt=4", "group_size=2", "eval_every=0", "eval_limit=4",
-              "save_every=1"],
+              "save_every=1", "save_rollouts_every=2"],
     "eval": ["limit=4", "samples=2"],
 }
 # --sampler vllm: overrides for train.py and eval.py (fp32 and eager: the tiny model on vLLM's CPU build).
@@ -397,6 +398,7 @@ def run_seed(root: Path, args, seed: int, sandbox: str) -> dict:
                "steps_already_done": commands.kept, "tool_sandbox": sandbox, "stage_guard": guard,
                "final_model": str(root / final / "model")}
     summary["level_accuracy"] = {s: level_accuracy(root, final if s == "stage3" else s) for s in STAGES}
+    summary["rollout_pages"] = rollout_pages(root)
     summary["phases"], times = time_table(root, commands.phases, wall)
     atomic_write_text(root / "summary.json", json.dumps(summary, indent=1))
     plot_stages(results, root / "summary.png")
@@ -412,8 +414,19 @@ def run_seed(root: Path, args, seed: int, sandbox: str) -> dict:
     print(f"\nsft -> stage3: {100 * summary['sft_accuracy']:.1f}% -> {100 * summary['stage3_accuracy']:.1f}% "
           f"({summary['gain_points']:+.1f} points) in {summary['wall_seconds']:.0f} s; final model "
           f"{summary['final_model']}; wrote {root / 'summary.json'}, "
-          f"{root / 'summary.png'} and {compare}")
+          f"{root / 'summary.png'} and {compare}; each RL stage's last step, as RoC saw it: "
+          + ", ".join(summary["rollout_pages"].values()))
     return summary
+
+
+def rollout_pages(root: Path) -> dict[str, str]:
+    """{stage: the page of its newest saved step's rollouts} (tools/report.py), written here."""
+    pages = {}
+    for stage in RL_STAGES:
+        saved = sorted((root / stage / "rollouts").glob("step_*.jsonl"))
+        if saved:
+            pages[stage] = str(write_rollouts_report(saved[-1]))
+    return pages
 
 
 def main(argv=None) -> None:

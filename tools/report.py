@@ -4,6 +4,7 @@ turns and tool calls; and a page comparing two evaluations of the same benchmark
     python -m tools.report runs/tiny/eval_stage3          # writes runs/tiny/eval_stage3/report.html
     python -m tools.report compare runs/tiny/eval_sft runs/tiny/eval_stage3 \\
         runs/tiny/compare_sft_stage3.html             # the problems that changed, side by side
+    python -m tools.report runs/tiny/stage1/rollouts/step_000040.jsonl   # a training step's rollouts
 
 Input: an eval.py output folder: results.json and trajectories.jsonl (one `eval.trajectory_record`
 per rollout). eval.py writes the report at the end of every run. The report shows
@@ -16,6 +17,10 @@ per rollout). eval.py writes the report at the end of every run. The report show
 - filters: wrong rollouts, rollouts with a failed tool call, correct rollouts with a failed tool
   call (the positives Resample-on-Correct is least likely to train on), a call status, a number
   of turns. Links such as `report.html#b=0&show=wrong&open=first` set them.
+A training step's rollouts (train.py's `save_rollouts_every`: the same records with the step, the penalty,
+whether RoC kept each one, its advantage and mini-batch) make the same page, a section per step: each sample says
+what the update made of it, the chips of the rollouts not trained on are faded, and two more filters show those
+kept by RoC and those not trained on.
 The comparison lists, per benchmark both folders hold, the problems (matched by index) whose share
 of correct samples changed from A to B, largest change first, each with one sample of each side
 next to each other: a wrong one against a right one.
@@ -53,6 +58,10 @@ COLUMNS = [("pass@1", "pass@1", "{:.3f}"), ("pass@1_se", "± se", "{:.3f}"),
 # Sample filters: (flag, heading in the table). A sample carries the flags of the filters it passes.
 FILTERS = [("wrong", "wrong"), ("tool_error", "with a failed call"),
            ("correct_erroneous", "correct with a failed call")]
+# ... and a training rollout's (train.py's save_rollouts_every): what Resample-on-Correct chose.
+ROC_FILTERS = [("kept", "kept by RoC"), ("dropped", "not trained on")]
+# Keys a training rollout adds to a trajectory record.
+ROLLOUT_KEYS = ("step", "penalty", "kept", "advantage", "minibatch")
 
 
 # ============================================================================ records -> page data
@@ -67,11 +76,20 @@ def split_turn(text: str) -> tuple[str, str, str]:
     return text[:start], text[start:end], text[end:]
 
 
-def sample_flags(correct: bool, failed_calls: int) -> list[str]:
-    """The FILTERS a sample passes."""
+def sample_flags(correct: bool, failed_calls: int, kept: bool | None = None) -> list[str]:
+    """The FILTERS a sample passes, and for a training rollout (`kept` not None) ROC_FILTERS'."""
     keep = {"wrong": not correct, "tool_error": failed_calls > 0,
-            "correct_erroneous": correct and failed_calls > 0}
-    return [name for name, _ in FILTERS if keep[name]]
+            "correct_erroneous": correct and failed_calls > 0, "kept": kept is True, "dropped": kept is False}
+    return [name for name, _ in FILTERS + ROC_FILTERS if keep[name]]
+
+
+def roc_view(rec: dict) -> dict | None:
+    """What the update made of a training rollout (train.save_rollouts): kept by RoC with its advantage and
+    mini-batch, or why not; None for an evaluation's rollout."""
+    if "kept" not in rec:
+        return None
+    return {"kept": rec["kept"], "advantage": rec["advantage"], "minibatch": rec["minibatch"],
+            "penalty": rec["penalty"]}
 
 
 def sample_view(rec: dict) -> dict:
@@ -97,7 +115,7 @@ def sample_view(rec: dict) -> dict:
             "end": rec["end_reason"], "tokens": rec["response_tokens"],
             "calls": rec["num_tool_calls"], "failed": failed, "turns": turns,
             "statuses": sorted({c["status"] for c in rec["tool_calls"]}),
-            "flags": sample_flags(rec["reward"] == 1, failed)}
+            "flags": sample_flags(rec["reward"] == 1, failed, rec.get("kept")), "roc": roc_view(rec)}
 
 
 def problem_views(records: list[dict]) -> dict[str, list[dict]]:
@@ -118,9 +136,10 @@ def problem_views(records: list[dict]) -> dict[str, list[dict]]:
 
 
 def flag_counts(problems: list[dict]) -> dict[str, int]:
-    """How many samples carry each filter flag, and "samples": how many there are."""
+    """How many samples carry each filter flag (RoC's for training rollouts), and "samples": how many there are."""
     samples = [s for p in problems for s in p["samples"]]
-    counts = {name: sum(name in s["flags"] for s in samples) for name, _ in FILTERS}
+    filters = FILTERS + (ROC_FILTERS if any(s["roc"] for s in samples) else [])
+    counts = {name: sum(name in s["flags"] for s in samples) for name, _ in filters}
     return {"samples": len(samples), **counts}
 
 
@@ -164,14 +183,15 @@ def fmt(value, spec: str) -> str:
 def results_table(results: dict, counts: dict[str, dict]) -> str:
     """One row per benchmark; the filters' counts link to their rollouts (#b=I&show=FLAG)."""
     e = html.escape
-    headings = [h for _, h, _ in COLUMNS] + [h for _, h in FILTERS]
+    filters = FILTERS + (ROC_FILTERS if any("kept" in c for c in counts.values()) else [])
+    headings = [h for _, h, _ in COLUMNS] + [h for _, h in filters]
     head = "".join(f"<th>{e(h)}</th>" for h in headings)
     rows = []
     for i, (name, m) in enumerate(results.items()):
         cells = "".join(f"<td>{fmt(m.get(key), spec)}</td>" for key, _, spec in COLUMNS)
         c = counts.get(name, {})
         links = "".join(f'<td><a href="#b={i}&amp;show={flag}">{c.get(flag, 0)}</a></td>'
-                        for flag, _ in FILTERS)
+                        for flag, _ in filters)
         rows.append(f'<tr><td><a href="#b={i}">{e(name)}</a></td>'
                     f"<td>{m['problems']} × {m['samples']}</td>{cells}{links}</tr>")
     return (f'<table class="results"><tr><th>benchmark</th><th>problems × samples</th>{head}</tr>'
@@ -263,6 +283,58 @@ def load_eval(folder) -> tuple[dict, list[dict], str]:
     return results, records, str(doc.get("model_path", ""))
 
 
+def rollout_results(records: list[dict]) -> dict:
+    """The results table of training rollouts, a row per step: the evaluation's columns from the records (pass@1 is
+    the mean reward of the step's samples; pass@k, maj@k and the standard error are not computed)."""
+    steps: dict[str, list[dict]] = {}
+    for rec in records:
+        steps.setdefault(rec["benchmark"], []).append(rec)
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    results = {}
+    for name, recs in steps.items():
+        right = [r for r in recs if r["reward"] == 1]
+        calls = lambda rs: sum(r["num_tool_calls"] for r in rs)  # noqa: E731
+        failed = lambda rs: sum(r["num_failed_tool_calls"] for r in rs)  # noqa: E731
+        results[name] = {
+            "problems": len({r["problem_index"] for r in recs}),
+            "samples": max(r["sample"] for r in recs) + 1, "pass@1": mean([r["reward"] for r in recs]),
+            "tool_calls_mean": mean([r["num_tool_calls"] for r in recs]),
+            "tool_error_rate": failed(recs) / calls(recs) if calls(recs) else None,
+            "tool_error_rate_in_correct": failed(right) / calls(right) if calls(right) else None,
+            "response_tokens_mean": mean([r["response_tokens"] for r in recs]),
+            "truncated_frac": mean([float(r["end_reason"] == "length") for r in recs])}
+    return results
+
+
+def load_rollouts(path) -> list[dict]:
+    """The records of a training-rollout file (train.py's save_rollouts_every); ValueError names the file, line
+    and key that are wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: not found")
+    records = []
+    for number, rec in _read_jsonl(path):
+        missing = [k for k in RECORD_KEYS + ROLLOUT_KEYS if k not in rec]
+        if missing:
+            raise ValueError(f"{path}:{number}: missing key {missing[0]!r} (a training-rollout file has "
+                             f"{', '.join(ROLLOUT_KEYS)} beside an evaluation's keys)")
+        records.append(rec)
+    return records
+
+
+def write_rollouts_report(path) -> Path:
+    """Write the page of a training-rollout file beside it (step_N.jsonl -> step_N.html)."""
+    path = Path(path)
+    records = load_rollouts(path)
+    out = path.with_suffix(".html")
+    run = path.parent.parent.name
+    note = (f"run: {path.parent.parent} · every rollout of the step, 2G a prompt; RoC keeps G of each group whose "
+            f"rewards differ, and the update trains on those alone")
+    out.write_text(render_report(rollout_results(records), records, f"Training rollouts: {run}", note),
+                   encoding="utf-8")
+    return out
+
+
 def write_report(folder) -> Path:
     """Write folder/report.html from the folder's results.json and trajectories.jsonl."""
     folder = Path(folder)
@@ -284,13 +356,16 @@ def write_compare(folder_a, folder_b, out) -> Path:
 
 
 USAGE = """usage: python -m tools.report EVAL_DIR                  # writes EVAL_DIR/report.html
+       python -m tools.report RUN/rollouts/step_N.jsonl       # training rollouts: writes step_N.html beside it
        python -m tools.report compare EVAL_A EVAL_B OUT.html  # the problems that changed from A to B"""
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        if len(argv) == 1 and argv[0] not in ("-h", "--help", "compare"):
+        if len(argv) == 1 and argv[0].endswith(".jsonl"):
+            print(f"wrote {write_rollouts_report(argv[0])}")
+        elif len(argv) == 1 and argv[0] not in ("-h", "--help", "compare"):
             print(f"wrote {write_report(argv[0])}")
         elif len(argv) == 4 and argv[0] == "compare":
             print(f"wrote {write_compare(*argv[1:])}")
@@ -320,7 +395,9 @@ details.problem[open]>summary{background:#f0f4fa}
 color:#fff;font-size:12px}
 .chip.right{background:#2e7d32}.chip.wrong{background:#c62828}.chip.err{outline:2px solid #f9a825}
 .sample{border-left:4px solid #c62828;margin:8px 0;padding:4px 8px;background:#fafafa}
-.sample.right{border-left-color:#2e7d32}
+.sample.right{border-left-color:#2e7d32}.chip.faded{opacity:.35}
+.roc{font-size:12.5px;margin:2px 0 4px;padding:1px 6px;border-radius:3px;display:inline-block}
+.roc.kept{background:#e3f2fd;color:#0d47a1;font-weight:600}.roc.dropped{background:#eee;color:#555}
 .shead{font-size:13px;margin-bottom:4px}.meta{color:#555;margin-left:.6em}
 .turn{margin:6px 0 6px 6px}.tlabel{font-size:11px;color:#777;text-transform:uppercase}
 pre{white-space:pre-wrap;word-break:break-word;margin:2px 0;padding:4px 6px;font-size:12.5px;
@@ -377,11 +454,17 @@ function turnBlock(turn, i) {
   if (turn.after) add(box, el("pre", "reason", turn.after));
   return box;
 }
-function chip(right, failed) {  // a sample's outcome; outlined when a tool call failed
-  const cls = "chip " + (right ? "right" : "wrong") + (failed ? " err" : "");
+function chip(right, failed, roc) {  // a sample's outcome; outlined when a tool call failed, faded if not trained on
+  const cls = "chip " + (right ? "right" : "wrong") + (failed ? " err" : "") + (roc && !roc.kept ? " faded" : "");
   const box = el("span", cls, right ? "✓" : "✗");
-  box.title = (right ? "correct" : "wrong") + (failed ? ", a tool call failed" : "");
+  box.title = (right ? "correct" : "wrong") + (failed ? ", a tool call failed" : "") +
+    (roc ? (roc.kept ? ", kept by RoC" : ", not trained on") : "");
   return box;
+}
+function rocLine(r) {  // a training rollout: what Resample-on-Correct and the update made of it
+  const what = r.kept ? "kept by RoC · advantage " + (r.advantage >= 0 ? "+" : "") + r.advantage.toFixed(3) +
+    " · mini-batch " + r.minibatch : "not trained on (RoC left it out, or its group's rewards were equal)";
+  return el("div", "roc " + (r.kept ? "kept" : "dropped"), what + " · penalty " + r.penalty);
 }
 function sampleCard(s, label) {
   const right = s.reward === 1;
@@ -392,6 +475,7 @@ function sampleCard(s, label) {
     el("span", null, " answer "), el("code", null, s.pred === null ? "(none)" : s.pred),
     el("span", "meta", facts));
   const card = add(el("div", "sample " + (right ? "right" : "wrong")), head);
+  if (s.roc) add(card, rocLine(s.roc));
   s.turns.forEach((t, i) => add(card, turnBlock(t, i)));
   return card;
 }
@@ -423,14 +507,16 @@ function controls() {
   const all = DATA.benchmarks.flatMap(b => b.problems.flatMap(p => p.samples));
   const statuses = [...new Set(all.flatMap(s => s.statuses))].sort();
   const turns = [...new Set(all.map(s => s.turns.length))].sort((x, y) => x - y).map(String);
+  const roc = all.some(s => s.roc) ? [["kept", "kept by RoC"], ["dropped", "not trained on"]] : [];
   return add(bar, el("b", null, "Show samples: "),
     add(el("label"), select("show", [["", "all"], ["wrong", "wrong only"],
       ["tool_error", "with a failed tool call"],
-      ["correct_erroneous", "correct, with a failed call"]])),
+      ["correct_erroneous", "correct, with a failed call"], ...roc])),
     add(el("label", null, "call status "),
         select("status", [["", "any"], ...statuses.map(x => [x, x])])),
     add(el("label", null, "turns "), select("turns", [["", "any"], ...turns.map(x => [x, x])])),
-    el("span", "count"), el("span", "meta", "· outlined: a tool call failed"));
+    el("span", "count"), el("span", "meta", "· outlined: a tool call failed" +
+                                           (roc.length ? " · faded: not trained on" : "")));
 }
 
 // ---------------------------------------------------------------- problems
@@ -440,7 +526,7 @@ function problemHead(p) {
 }
 function problemSummary(p) {
   const sum = problemHead(p);
-  p.samples.forEach(s => add(sum, chip(s.reward === 1, s.failed)));
+  p.samples.forEach(s => add(sum, chip(s.reward === 1, s.failed, s.roc)));
   return add(sum, el("span", null, " " + p.correct + "/" + p.samples.length + " · gold "),
              el("span", "gold", p.answer), el("span", "snippet", " · " + p.problem.slice(0, 120)));
 }
