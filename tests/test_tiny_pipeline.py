@@ -27,6 +27,9 @@ def test_quick_pipeline_runs_every_stage_and_a_changed_rerun_ends_with_its_own_n
         assert 0.0 <= summary[f"{stage}_accuracy"] <= 1.0
         assert stage in summary["tool_error_rate_in_correct"] and summary["mean_response_tokens"][stage] > 0
     assert summary["wall_seconds"] > 0 and (root / "summary.png").stat().st_size > 1000
+    # each RL stage keeps its last step's rollouts (2 prompts x 4 under --quick), and their page
+    assert summary["rollout_pages"] == {s: str(root / s / "rollouts" / "step_000002.html") for s in tiny_pipeline.RL_STAGES}
+    assert all(len((root / s / "rollouts" / "step_000002.jsonl").read_text().splitlines()) == 8 for s in tiny_pipeline.RL_STAGES)
     for stage in ("stage1", "stage2", "stage3"):
         rows = [json.loads(x) for x in (root / stage / "metrics.jsonl").read_text().splitlines()]
         assert len(rows) == 2 and all(0.0 <= r["rollout/reward_mean"] <= 1.0 for r in rows)  # reward computed
