@@ -114,12 +114,19 @@ def input_dtype(model_path):
 def save_model(accelerator, model, tokenizer, out, dtype) -> None:
     """`out` = save_pretrained of the whole model with its floating-point weights cast to `dtype` (config.json's
     `dtype` says so), and the tokenizer; every rank calls it (under FSDP the weights are gathered to the main
-    process). Written into `out.tmp` and renamed, so `out` is whole or absent."""
+    process). With a LoRA adapter, `out` holds the merged model and `adapter/` beside it the adapter in PEFT's
+    format (lora.py). Written into `out.tmp` and renamed, so `out` is whole or absent."""
+    import lora
     accelerator.wait_for_everyone()
     state = accelerator.get_state_dict(model)  # under FSDP: the full weights on the main process (all ranks join)
     if accelerator.is_main_process:
-        tmp = staging_dir(out)
         policy = accelerator.unwrap_model(model)
+        if lora.is_lora(policy):  # the adapter as PEFT saves it, then the merged model
+            adapter = staging_dir(Path(out).with_name("adapter"))
+            lora.save_adapter(policy, state, adapter)
+            replace_dir(adapter, Path(out).with_name("adapter"))
+            state, policy = lora.merged_state_dict(state, lora.scalings(policy), dtype), policy.get_base_model()
+        tmp = staging_dir(out)
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         policy.save_pretrained(tmp, state_dict=state)
         config = copy.deepcopy(policy.config)  # the live model keeps its own

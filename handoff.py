@@ -8,8 +8,10 @@ the tolerance of the two sides' dtypes, and if the trainer's log-probs moved sin
 must have moved too.
 
 - `hand_off`: the module itself when this rank holds all of it (HFSampler may share it: nothing to copy), else
-  the FSDP-sharded parameters gathered one at a time and streamed (`gathered_weights`).
-- `sampler_policy`: the model HFSampler decodes with (a full copy of its own under FSDP).
+  the FSDP-sharded parameters gathered one at a time and streamed (`gathered_weights`). Under LoRA only the adapted
+  layers changed: their merged weights W + (alpha / r) B A (`lora.merged_weights`), and nothing else is sent.
+- `sampler_policy`: the model HFSampler decodes with (a full copy of its own under FSDP, and under LoRA: the plain
+  model as `model_path` holds it, into which each hand-off merges the adapted layers).
 - `sync`: hand off, then verify; what train.py calls.
 
 Not here: sending weights to engines in other processes or on other machines (each rank drives its own engine, in
@@ -20,7 +22,9 @@ from pathlib import Path
 import torch
 
 import accel
+import lora
 from checkpoint import input_dtype
+from data import load_pretrained
 
 # Largest mean |log-prob gap| between a sampler and the trainer that still counts as "the same weights", by the
 # dtype a side computes in (`handoff_tolerance` takes the coarser side's). fp32: only the summation order differs.
@@ -119,6 +123,9 @@ def sampler_policy(cfg, accelerator, model):
     dtype, which `hand_off` fills with the trainer's weights. vLLM loads its own copy."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     policy = accelerator.unwrap_model(model)
+    if cfg.sampler == "hf" and lora.is_lora(policy):  # a plain model decodes faster than adapter layers
+        plain = load_pretrained(AutoModelForCausalLM, cfg.model_path, torch_dtype=input_dtype(cfg.model_path))
+        return plain.to(accelerator.device)
     if cfg.sampler != "hf" or not accel.is_sharded(policy):
         return policy
     # Built from the config, not loaded: under FSDP's low-memory loading only rank 0 reads the checkpoint.
@@ -135,8 +142,11 @@ def hand_off(accelerator, model, sampler) -> None:
     """Phase 9: the trainer's weights into the sampler: the module itself where this rank holds all of it, else
     the gathered parameters, streamed."""
     policy = accelerator.unwrap_model(model)
-    sampler.update_weights(gathered_weights(policy, accelerator.device, sampler.dtype) if accel.is_sharded(policy)
-                           else policy)
+    if lora.is_lora(policy):
+        sampler.update_weights(lora.merged_weights(policy, sampler.dtype), partial=True)
+    else:
+        sampler.update_weights(gathered_weights(policy, accelerator.device, sampler.dtype)
+                               if accel.is_sharded(policy) else policy)
 
 
 def trainer_compute_dtype(accelerator, model) -> torch.dtype:

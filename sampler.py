@@ -19,7 +19,8 @@ while the others keep generating (the report's asynchronous tool dispatch, §3, 
   (with top_p < 1 the HF value ignores the truncation; vLLM's `processed_logprobs` includes it). The report samples
   with top_p = 1, where the two agree. temperature = 0 means greedy decoding, with log-probs at temperature 1.
 - `update_weights(model)` loads the trainer's new policy weights (an nn.Module with HF parameter names, or an
-  iterable of (name, tensor)), between rollouts.
+  iterable of (name, tensor)), between rollouts; `partial=True`: the pairs are only the weights that changed (LoRA's
+  merged layers, lora.py), the others keep what the sampler holds.
 - `score(token_ids)` = log softmax(logits)[token] of tokens 1..T-1, temperature 1, computed the way the sampler
   generates (its weights, its dtype, its cached keys and values). After each update the trainer compares it with
   its own forward pass (handoff.py): a sampler still generating from old weights is caught, not trained on.
@@ -67,7 +68,7 @@ class Sampler(Protocol):
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float = 1.0,
                  top_p: float = 1.0) -> list[Completion]: ...  # add all, step until done (`generate_all`)
 
-    def update_weights(self, model) -> None: ...  # between rollouts
+    def update_weights(self, model, partial: bool = False) -> None: ...  # between rollouts; partial: changed only
 
     def score(self, token_ids: list[int]) -> list[float]: ...  # (T-1) log-probs, temperature 1
 

@@ -71,10 +71,12 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 import accel
+import lora
 from checkpoint import (STATE_FILE, begin_run, input_dtype, latest_checkpoint, load_checkpoint, resume_point,
                         run_identity, save_checkpoint, save_model)
 from config import check_ranges, format_config, parse_cli, save_config, tracker_config
 from data import check_model_path, load_conversations, load_pretrained
+from lora import DEFAULT_TARGETS
 from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of, encode
 
 IGNORE = -100  # label of a token that is not trained (PyTorch cross_entropy's ignore_index)
@@ -113,6 +115,11 @@ class SFTConfig:
     newline_after_turn: bool = True  # "\n" after an assistant turn's <|im_end|> (the public agent loop writes none)
     mixed_precision: str = "no"  # "no" or "bf16" (Accelerate autocast; the weights stay fp32 masters)
     gradient_checkpointing: bool = False  # recompute each layer in the backward: activations of one layer, not all
+    lora_rank: int = 0  # LoRA's r (lora.py); 0: no LoRA, every weight trains as fp32 masters
+    lora_alpha: float = 32.0  # the adapter's change is scaled by lora_alpha / lora_rank
+    lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))  # modules adapted: all linear
+    lora_dropout: float = 0.0  # dropout on the adapter's input (>0 makes the update's ratios noisy)
+    lora_from: str | None = None  # an adapter/ folder to continue; model_path is then the base it was on
     log_every: int = 10  # optimizer steps between log lines
     report_to: str | None = None  # None, "tensorboard" or "wandb"; a tracker that cannot start stops the run
     process_group_timeout_s: float = accel.PROCESS_GROUP_TIMEOUT_S  # NCCL watchdog: a collective waits this long
@@ -138,6 +145,7 @@ RANGES = {
     "adam_beta2": ">= 0 and < 1",
     "grad_clip": "> 0", "seed": ">= 0 and <= 4294967295", "log_every": ">= 1", "max_steps": ">= 1",
     "save_every": ">= 0", "keep_checkpoints": ">= 1", "torch_threads": ">= 0", "process_group_timeout_s": "> 0",
+    "lora_rank": ">= 0", "lora_alpha": "> 0", "lora_dropout": ">= 0 and < 1",
 }
 
 
@@ -416,7 +424,7 @@ def resume(acc: Accelerator, checkpoint: Path | None, steps_per_epoch: int, wind
 def check_inputs(cfg: SFTConfig):
     """Stop with a clear message before any work: a value out of range, missing model or data, a bad conversation
     (file and line)."""
-    if problems := check_ranges(cfg, RANGES):
+    if problems := check_ranges(cfg, RANGES) + lora.check_config(cfg):
         raise SystemExit("config error: " + "; ".join(problems))
     try:
         check_model_path(cfg.model_path)
@@ -439,19 +447,21 @@ def check_inputs(cfg: SFTConfig):
         raise SystemExit(f"sft: bad data: {e}") from None
 
 
-def load_model(cfg: SFTConfig):
+def load_model(cfg: SFTConfig, saved_dtype: torch.dtype):
     """The model as fp32 master weights whatever the checkpoint's dtype (AdamW's steps at lr 5e-6 are below bf16's
-    resolution for most weights: they would round away; mixed_precision=bf16 computes in bf16), and its AdamW
-    (no weight decay on norms and biases)."""
+    resolution for most weights: they would round away; mixed_precision=bf16 computes in bf16), or under LoRA
+    frozen in `saved_dtype` with an fp32 adapter (lora.py); and AdamW over what trains (no weight decay on norms
+    and biases)."""
     from transformers import AutoModelForCausalLM
     try:
-        model = load_pretrained(AutoModelForCausalLM, cfg.model_path, torch_dtype=torch.float32)
+        model = load_pretrained(AutoModelForCausalLM, cfg.model_path, torch_dtype=lora.weights_dtype(cfg, saved_dtype))
     except ValueError as e:
         raise SystemExit(f"sft: {e}") from None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
+    model = lora.attach(model, cfg)
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                    {"params": rest, "weight_decay": 0.0}],
                                   lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
@@ -503,7 +513,7 @@ def run_sft(cfg: SFTConfig) -> Path:
         save_config(cfg, out / "config.yaml")
 
     # ---- model, data, schedule
-    model, optimizer = load_model(cfg)  # model/ is saved in `saved_dtype` at the end
+    model, optimizer = load_model(cfg, saved_dtype)  # model/ is saved in `saved_dtype` at the end
     examples, batches, collate_fn = training_data(acc, cfg, tokenizer, chat, conversations)
     W, P = cfg.batch_size // cfg.micro_batch_size, acc.num_processes
     steps_per_epoch, total_steps, warmup_steps = step_plan(len(batches), cfg)
@@ -513,6 +523,7 @@ def run_sft(cfg: SFTConfig) -> Path:
                                                                                  cfg.decay_ratio))
     model, optimizer = acc.prepare(model, optimizer)
     acc.register_for_checkpointing(scheduler)
+    lora.checkpoint_adapter_only(acc, model)  # under LoRA checkpoints keep the adapter, not the frozen weights
     acc.print(f"sft: {total_steps} optimizer steps ({steps_per_epoch}/epoch), batch {cfg.batch_size} = "
               f"{cfg.micro_batch_size} x {per_rank} accumulation x {P} ranks, warm-up {warmup_steps} steps")
     step, start = resume(acc, checkpoint, steps_per_epoch, W)

@@ -45,6 +45,7 @@ import torch
 from tqdm import tqdm
 
 import accel
+import lora
 from checkpoint import (atomic_write_text, begin_run, input_dtype, latest_checkpoint, load_checkpoint, load_optimizer, optimizer_file,
                         resume_point, run_identity, save_checkpoint, save_model)
 from code_tool import ERROR_FORMATS, CodeTool, SandboxError, announce, choose_sandbox
@@ -422,7 +423,7 @@ def _add(sums: dict, key: str, value: float, count: float) -> None:
 # ============================================================================ configuration checks
 def validate(cfg: TrainConfig, world: int) -> None:
     """Config errors that need no files, raised before any work."""
-    problems = check_ranges(cfg, RANGES)
+    problems = check_ranges(cfg, RANGES) + lora.check_config(cfg)
     if cfg.roc_mode not in ROC_SELECTORS:
         problems.append(f"roc_mode must be sample, lowest or off, got {cfg.roc_mode!r}")
     if cfg.roc_mode == "off" and cfg.group_size != cfg.rollouts_per_prompt:
@@ -547,15 +548,18 @@ def setup(cfg: TrainConfig):
             acc.init_trackers("rstar2", config=tracker_config(cfg))
     set_seed(cfg.seed + acc.process_index)  # rollouts differ per rank; everything else is seeded explicitly
     # fp32 master weights whatever the checkpoint's dtype: AdamW's steps at lr 1e-6 are far below bf16's
-    # resolution (they would round away); mixed_precision=bf16 computes in bf16.
+    # resolution (they would round away); mixed_precision=bf16 computes in bf16. Under LoRA the model's own
+    # weights stay frozen in the checkpoint's dtype and only the adapter trains (lora.py).
     try:
-        model = load_pretrained(AutoModelForCausalLM, cfg.model_path, torch_dtype=torch.float32)
+        model = load_pretrained(AutoModelForCausalLM, cfg.model_path,
+                                torch_dtype=lora.weights_dtype(cfg, input_dtype(cfg.model_path)))
     except ValueError as e:
         raise SystemExit(f"input error: {e}") from None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay)
+    model = lora.attach(model, cfg)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     # lr_t = lr * min(1, (t + 1) / warmup_steps) before optimizer step t: linear warm-up, then constant (report §4).
     # Not given to acc.prepare: Accelerate would step it once per process at every optimizer step (a warm-up
     # num_processes times too fast); registered, so checkpoints keep it all the same.
@@ -565,6 +569,7 @@ def setup(cfg: TrainConfig):
         raise SystemExit("config error: train.py shards with FSDP2: set fsdp_version: 2 in the Accelerate config "
                          "(configs/accelerate/*.yaml)")
     model, optimizer = acc.prepare(model, optimizer)
+    lora.checkpoint_adapter_only(acc, model)  # under LoRA checkpoints keep the adapter, not the frozen weights
     if cfg.optimizer_from and start is None:  # after prepare: under FSDP the state is sharded like the model
         load_optimizer(acc, model, optimizer, optimizer_file(cfg.optimizer_from))
         for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 import accel
+from lora import DEFAULT_TARGETS
 from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, encode
 from tools.memory_plan import engine_lines, memory_lines
 
@@ -30,7 +31,9 @@ class TrainConfig:
     world_size: int = 0                   # for dry_run only: plan for this many processes (0: the launcher's)
     gpus_per_node: int = 8                # for dry_run only: GPUs per node (the launch configs shard within one)
     gpu_memory_gb: float = 150.7          # for dry_run only: one GPU's memory as its driver reports it (H200: 150.7)
-    model_shape: str = ""                 # for dry_run only, before model_path exists: qwen3-0.6b | 1.7b | 14b
+    model_shape: str = ""                 # for dry_run only, before model_path exists: qwen3-0.6b | 1.7b | 8b | 14b
+    fsdp: bool = True                     # for dry_run only: the launch shards with FSDP2 (false: python train.py
+                                          # on one GPU, or a DDP launch)
     # --- GRPO-RoC (report §2)
     prompts_per_step: int = 512           # B (over all ranks)
     rollouts_per_prompt: int = 32         # 2G sampled per prompt
@@ -90,6 +93,11 @@ class TrainConfig:
     optimizer_from: str | None = None     # a run or checkpoint folder whose AdamW state to start from; None: fresh
     mixed_precision: str = "no"           # no | bf16
     gradient_checkpointing: bool = False
+    lora_rank: int = 0                    # LoRA's r (lora.py); 0: no LoRA, every weight trains as fp32 masters
+    lora_alpha: float = 32.0              # the adapter's change is scaled by lora_alpha / lora_rank
+    lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))  # modules adapted: all linear
+    lora_dropout: float = 0.0             # dropout on the adapter's input (>0 makes the update's ratios noisy)
+    lora_from: str | None = None          # an adapter/ folder to continue; model_path is then the base it was on
     # --- logging, evaluation during training, checkpoints
     log_every: int = 1
     eval_data: str | None = None          # held-out JSONL for accuracy curves during training
@@ -124,6 +132,7 @@ RANGES = {
     "log_every": ">= 1", "eval_every": ">= 0", "eval_samples": ">= 1", "eval_temperature": ">= 0",
     "eval_limit": ">= 0", "save_every": ">= 1", "save_rollouts_every": ">= 0", "keep_checkpoints": ">= 1", "torch_threads": ">= 0",
     "process_group_timeout_s": "> 0", "peer_timeout_s": "> 0",
+    "lora_rank": ">= 0", "lora_alpha": "> 0", "lora_dropout": ">= 0 and < 1",
 }
 
 
@@ -131,7 +140,7 @@ RANGES = {
 # the run computes (printing, trackers, checkpoint cadence, threads and tool workers, the vLLM memory share). Any other
 # change (steps, batch shapes, data, lr, seeds, budgets) is refused unless named in resume_allow_changes.
 RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "dry_run", "world_size", "gpus_per_node",
-               "gpu_memory_gb", "model_shape", "log_every", "report_to", "save_every", "save_rollouts_every",
+               "gpu_memory_gb", "model_shape", "fsdp", "log_every", "report_to", "save_every", "save_rollouts_every",
                "keep_checkpoints",
                "torch_threads", "tool_workers", "tool_backend", "tool_require_isolation",
                "vllm_gpu_memory_utilization", "process_group_timeout_s", "peer_timeout_s"}

@@ -85,10 +85,11 @@ class _PrefixStore:
         self.entries.clear()
 
 
-def load_named_weights(model: torch.nn.Module, weights) -> None:
+def load_named_weights(model: torch.nn.Module, weights, partial: bool = False) -> None:
     """Copy (name, tensor) pairs into `model`'s parameters and persistent buffers in place (cast to their dtype
-    and device), consuming one pair at a time. Every weight must arrive (tied weights under either name); a name the
-    model lacks, or a shape that differs (a shard sent instead of the gathered parameter), is an error."""
+    and device), consuming one pair at a time. Every weight must arrive (tied weights under either name) unless
+    `partial` (the pairs are the weights that changed: LoRA's merged layers); a name the model lacks, or a shape
+    that differs (a shard sent instead of the gathered parameter), is an error."""
     targets = model.state_dict(keep_vars=True)  # parameters themselves: tied names share one object
     needed = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers() if n in targets}
     got = set()
@@ -102,7 +103,7 @@ def load_named_weights(model: torch.nn.Module, weights) -> None:
                                  f"is {tuple(own.shape)} (a shard instead of the gathered parameter?)")
             own.copy_(tensor)
             got.update(n for n, t in targets.items() if t is own)
-    if needed - got:
+    if needed - got and not partial:
         raise ValueError(f"weight hand-off: {len(needed - got)} weights never arrived, e.g. {min(needed - got)}")
 
 
@@ -409,9 +410,10 @@ class HFSampler:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def update_weights(self, model) -> None:
+    def update_weights(self, model, partial: bool = False) -> None:
         """`model`: the trainer's module, or (name, tensor) pairs (the gathered weights of a sharded trainer,
-        streamed). Colocated (the trainer's own model object): nothing to copy. Otherwise copy the weights in.
+        streamed; with `partial`, only the weights that changed). Colocated (the trainer's own model object):
+        nothing to copy. Otherwise copy the weights in.
         Either way the stored keys and values were computed with the old weights: they are dropped. On an
         accelerator the slot buffers are freed for the update (allocated again by the next rollout); on the CPU
         they are kept, since memory is plentiful there and zeroing them again each step is not free."""
@@ -421,7 +423,7 @@ class HFSampler:
             self.kv = self.seen = None
         if model is not self.model:
             load_named_weights(self.model, model.state_dict().items() if isinstance(model, torch.nn.Module)
-                               else model)
+                               else model, partial)
 
     def score(self, token_ids: list[int]) -> list[float]:
         """log softmax(logits)[token] of tokens 1..T-1 at temperature 1, through the decode path of `step`: the

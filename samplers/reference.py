@@ -40,10 +40,12 @@ class ReferenceSampler(TurnSampler):  # TurnSampler: `add` / `step` / `has_work`
         logprobs = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)  # (n,)
         return Completion(tokens.tolist(), logprobs.tolist(), tokens[-1].item() in self.stops)
 
-    def update_weights(self, model) -> None:
-        """The trainer's module (nothing to copy when it is our own object) or (name, tensor) pairs."""
+    def update_weights(self, model, partial: bool = False) -> None:
+        """The trainer's module (nothing to copy when it is our own object) or (name, tensor) pairs (with
+        `partial`, only the weights that changed)."""
         if model is not self.model:
-            self.model.load_state_dict(model.state_dict() if isinstance(model, torch.nn.Module) else dict(model))
+            self.model.load_state_dict(model.state_dict() if isinstance(model, torch.nn.Module) else dict(model),
+                                       strict=not partial)
 
     def score(self, token_ids: list[int]) -> list[float]:
         """log softmax(logits_t)[token_t+1], t = 0..T-2: one forward at temperature 1."""

@@ -172,16 +172,23 @@ class VLLMSampler:
             self.llm.wake_up(tags=todo)
             self.sleeping -= set(todo)
 
-    def update_weights(self, model) -> None:
-        """Load new policy weights: `model` is an nn.Module (HF parameter names) or an iterable of (name, tensor)."""
+    def update_weights(self, model, partial: bool = False) -> None:
+        """Load new policy weights: `model` is an nn.Module (HF parameter names) or an iterable of (name, tensor);
+        partial: only the weights that changed (LoRA's merged layers), each decoder layer's fused groups whole (q,
+        k and v; gate and up), which vLLM's layer-wise reload needs; the others stay as loaded."""
         assert not self.has_work(), "update_weights between rollouts, not during one"
         if self.tensor_parallel_size != 1:
             raise ValueError(f"update_weights with tensor_parallel_size={self.tensor_parallel_size}: not supported "
                              "(one single-device engine per training rank; tensor parallelism serves eval only)")
         weights = model.state_dict().items() if isinstance(model, torch.nn.Module) else model
         self.wake_up(tags=["weights"])  # the KV cache wakes only after the load: lower peak memory
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
-                                                          "is_checkpoint_format": True})
+        quiet = QuietUntouchedLayers() if partial else None  # they keep their weights, as a partial update wants
+        logging.getLogger(RELOAD_LOGGER).addFilter(quiet) if quiet else None
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
+                                                              "is_checkpoint_format": True})
+        finally:
+            logging.getLogger(RELOAD_LOGGER).removeFilter(quiet) if quiet else None
         self.weights_dropped = False
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.wake_up(tags=["kv_cache"])
@@ -215,6 +222,15 @@ class QuietRotaryReload(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.msg == "%s: Failed to load weights" and record.args
                     and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
+class QuietUntouchedLayers(logging.Filter):
+    """During a partial reload (`update_weights(..., partial=True)`: LoRA's merged layers), the layer-wise reload
+    logs "Failed to load weights" for every layer that got none, and puts that layer's weights back as they were
+    (`finalize_layerwise_processing`), which is what a partial update wants: those lines go, for that reload only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "%s: Failed to load weights"
 
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"

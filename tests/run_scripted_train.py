@@ -94,24 +94,26 @@ def count_replica_all_reduces(out: Path, rank: int) -> None:
 
 
 def inject_fault(spec: str, mark: Path) -> None:
-    """FAULT=stop|kill:RANK:STEP: rank RANK sends itself SIGSTOP or SIGKILL at its first engine step of training step
+    """FAULT=stop|kill:RANK:STEP: rank RANK sends itself SIGSTOP or SIGKILL at its first claim of training step
     STEP (from 0), once per run folder: it first writes `mark` ({"pid", "time"}), and a restarted worker that finds
-    the mark goes on."""
+    the mark goes on. The rollout asks for work before its first engine step whether or not any is left, so the
+    fault lands in the step's rollouts even where the other ranks have claimed every rollout of it."""
+    import schedule
     kind, rank, step = spec.split(":")
     if int(os.environ.get("RANK", 0)) != int(rank):
         return
-    real_train_step, real_step, now = train.train_step, ScriptedSampler.step, [None]
+    real_train_step, real_claim, now = train.train_step, schedule.Claims.__call__, [None]
 
     def train_step(s, cfg, run):
         now[0] = s
         return real_train_step(s, cfg, run)
 
-    def sampler_step(self):
+    def claim(self, running):
         if now[0] == int(step) and not mark.exists():
             mark.write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
             os.kill(os.getpid(), {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}[kind])
-        return real_step(self)
-    train.train_step, ScriptedSampler.step = train_step, sampler_step
+        return real_claim(self, running)
+    train.train_step, schedule.Claims.__call__ = train_step, claim
 
 
 def record_inputs(out: Path, rank: int) -> None:

@@ -71,12 +71,12 @@ class ScriptedSampler(TurnSampler):
         logp = torch.log_softmax(logits.float() / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
         return (logp + self.logprob_shift).tolist()
 
-    def update_weights(self, model) -> None:
-        """The trainer's module, or gathered (name, tensor) pairs (a sharded trainer), copied into this sampler's
-        own model; skip_updates leaves it as it was (a stale engine)."""
+    def update_weights(self, model, partial: bool = False) -> None:
+        """The trainer's module, or gathered (name, tensor) pairs (a sharded trainer; LoRA's merged layers when
+        partial), copied into this sampler's own model; skip_updates leaves it as it was (a stale engine)."""
         if not self.skip_updates:
             load_named_weights(self.model, model.state_dict().items() if isinstance(model, torch.nn.Module)
-                               else model)
+                               else model, partial)
         self.updates += 1
 
     def score(self, token_ids):

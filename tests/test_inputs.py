@@ -96,12 +96,13 @@ def empty_hub():
     server.shutdown()
 
 
-@pytest.mark.parametrize("entry", ["train", "sft", "eval"])
-@pytest.mark.parametrize("hub", ["unreachable", "no such repository"])
+@pytest.mark.parametrize("entry, hub", [("train", "unreachable")] + [(e, "no such repository")
+                                                                     for e in ("train", "sft", "eval")])
 def test_a_mistyped_model_path_in_a_fresh_checkout_is_one_line(tiny, tmp_path, empty_hub, entry, hub):
     """`model_path=runs/sft_typo` before any runs/ folder exists is taken for a hub id; whatever the hub answers (no
     connection, no such repository), the run ends in one line naming the folder and the hub repository looked for
-    (before: an OSError traceback from deep inside from_pretrained)."""
+    (before: an OSError traceback from deep inside from_pretrained). The three entry points share the loader
+    (data.load_pretrained); the unreachable hub, which huggingface_hub retries for about 50 s, is tried on one."""
     endpoint = "http://127.0.0.1:9" if hub == "unreachable" else empty_hub  # port 9: nothing listens
     config = {"train": "stage1.yaml", "sft": "sft.yaml", "eval": "eval.yaml"}[entry]
     conversation = [{"role": "user", "content": "Say 1."}, {"role": "assistant", "content": "</reason>\n1"}]

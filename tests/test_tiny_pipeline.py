@@ -169,6 +169,27 @@ def test_one_seed_reaches_every_command_and_threads_when_given(tmp_path, monkeyp
         if n not in ("base", "data"))
 
 
+def test_the_lora_pipeline_carries_stage_1_s_adapter_into_stage_2_and_starts_stage_3_afresh(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(tiny_pipeline, "step", lambda out, cmd, after=(), commands=None, beside=False:
+                        seen.setdefault(out.name, cmd) and out / "step.json")
+    monkeypatch.setattr(tiny_pipeline, "eval_results", lambda root, name, folder="eval": {"pass@1": 0.5})
+    tiny_pipeline.pipeline(tmp_path, False, tiny_pipeline.Commands(), lora=True)
+    assert [seen[f"stage{s}"][1] for s in (1, 2, 3)] == [f"configs/tiny/lora_stage{s}.yaml" for s in (1, 2, 3)]
+    assert f"model_path={tmp_path / 'sft' / 'model'}" in seen["stage1"]
+    # stage 2: stage 1's adapter and AdamW state, on the model that adapter was trained on
+    assert {f"model_path={tmp_path / 'sft' / 'model'}", f"lora_from={tmp_path / 'stage1' / 'adapter'}",
+            f"optimizer_from={tmp_path / 'stage1'}"} <= set(seen["stage2"])
+    # stage 3: stage 2's merged model, a fresh adapter and optimizer
+    assert f"model_path={tmp_path / 'stage2' / 'model'}" in seen["stage3"]
+    assert not any(a.startswith(("lora_from=", "optimizer_from=")) for a in seen["stage3"])
+    from config import parse_cli
+    from train_config import TrainConfig
+    for s, lr in ((1, 2e-3), (2, 1e-3), (3, 1e-3)):  # each resolves to its full-fine-tuning stage, with LoRA
+        lora, full = (parse_cli(TrainConfig, [f"configs/tiny/{p}stage{s}.yaml"]) for p in ("lora_", ""))
+        assert (lora.lora_rank, full.lora_rank, lora.lr, lora.steps) == (16, 0, lr, full.steps)
+
+
 def test_seeds_parse_and_the_seed_table_gives_each_stage_mean_min_max():
     assert tiny_pipeline.parse_seeds("0-2,5,1") == [0, 1, 2, 5]
     with pytest.raises(Exception, match="not a seed"):

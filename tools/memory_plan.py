@@ -78,8 +78,8 @@ VLLM_ASLEEP_GB = 0.5        # kept while asleep: FlashInfer's 394 MiB workspace 
                             # vllm/envs.py) and the model runner's persistent inputs, allocated outside the pools
 
 # The architecture fields of public checkpoints, as their config.json on the Hugging Face hub gives them
-# (Qwen/Qwen3-0.6B, Qwen/Qwen3-1.7B, Qwen/Qwen3-14B; the -Base checkpoints share the architecture; Qwen3 technical
-# report, Table 1). bench/gpu_smoke.py builds a random model from the first one, so nothing is downloaded.
+# (Qwen/Qwen3-0.6B, Qwen/Qwen3-1.7B, Qwen/Qwen3-8B, Qwen/Qwen3-14B; the -Base checkpoints share the architecture;
+# Qwen3 technical report, Table 1). bench/gpu_smoke.py builds a random model from the first one, so nothing is downloaded.
 PUBLIC_CONFIGS = {
     "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
@@ -89,6 +89,10 @@ PUBLIC_CONFIGS = {
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
                    "tie_word_embeddings": True, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
                    "max_position_embeddings": 40960},
+    "qwen3-8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                 "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                 "max_position_embeddings": 40960},
     "qwen3-14b": {"hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 40,
                   "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
                   "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
@@ -133,6 +137,15 @@ class Shape:
     def params(self) -> int:
         return self.layers * self.layer_params + self.embedding_params + self.hidden  # + the final norm
 
+    def lora_params(self, rank: int, targets) -> int:
+        """A LoRA adapter's parameters (lora.py): r x (in + out) for each adapted linear layer of every decoder
+        layer; `targets` names them as the model does (q_proj, ..., down_proj)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        sizes = {"q_proj": (self.hidden, q), "k_proj": (self.hidden, kv), "v_proj": (self.hidden, kv),
+                 "o_proj": (q, self.hidden), "gate_proj": (self.hidden, self.intermediate),
+                 "up_proj": (self.hidden, self.intermediate), "down_proj": (self.intermediate, self.hidden)}
+        return self.layers * sum(rank * sum(sizes[t]) for t in targets if t in sizes)
+
     @property
     def kv_bytes_per_token(self) -> int:
         """KV cache per token: every layer's keys and values in bf16."""
@@ -158,7 +171,7 @@ def vllm_engine(shape: Shape, *, fraction: float, gpu_gb: float, tp: int = 1, ea
 def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, seq_tokens: int,
                    gradient_checkpointing: bool, sampler: str, gpu_gb: float, world: int = 1,
                    engine_fraction: float = 0.5, engine_tp: int = 1, engine_eager: bool = False,
-                   hf_slots: int = 0, micro_tokens: int = 0) -> dict[str, float]:
+                   hf_slots: int = 0, micro_tokens: int = 0, lora: int = 0) -> dict[str, float]:
     """Estimated GB per GPU, by term, for one rank of a run (the module docstring says what each term counts).
 
     shard: GPUs the policy's weights, gradients and AdamW state are divided over (1: not sharded); world: ranks in
@@ -166,14 +179,18 @@ def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, se
     response) in one forward/backward, or micro_tokens in all when micro-batches are cut by tokens. sampler: "vllm" (a colocated engine taking engine_fraction of gpu_gb, weights
     over engine_tp GPUs, `vllm_engine`), "hf" (HFSampler; under FSDP its own bf16 copy, and hf_slots KV rows of
     seq_tokens) or "none" (SFT). Returns the terms, `rollout_peak` (trainer state + sampler while sampling),
-    `update_peak` (the policy update, the engine asleep) and `kv_cache_tokens` (tokens the KV cache holds)."""
+    `update_peak` (the policy update, the engine asleep) and `kv_cache_tokens` (tokens the KV cache holds).
+    lora: the parameters of a LoRA adapter (`Shape.lora_params`; 0: full fine-tuning). Then the model's own weights
+    are frozen in bf16 (sharded under FSDP) and only the adapter has fp32 weights, gradients and AdamW moments."""
     p, tokens = shape.params, micro_tokens or micro_batch * seq_tokens
+    trained = lora or p  # parameters with fp32 masters, gradients and AdamW state
     m = {
-        "weights": MASTER_BYTES * p / shard / GB,
-        "grads": MASTER_BYTES * p / shard / GB,
-        "adamw": 2 * MASTER_BYTES * p / shard / GB,
-        # FSDP: the gathered bf16 groups in use; without FSDP, autocast's bf16 copy of every weight
-        "gathered": COMPUTE_BYTES * ((shape.embedding_params + 2 * shape.layer_params) if fsdp else p) / GB,
+        "weights": (MASTER_BYTES * trained + (COMPUTE_BYTES * p if lora else 0)) / shard / GB,
+        "grads": MASTER_BYTES * trained / shard / GB,
+        "adamw": 2 * MASTER_BYTES * trained / shard / GB,
+        # FSDP: the gathered bf16 groups in use; without FSDP, autocast's bf16 copy of every fp32 weight (under
+        # LoRA the frozen weights are bf16 already: only the adapter's are copied)
+        "gathered": COMPUTE_BYTES * ((shape.embedding_params + 2 * shape.layer_params) if fsdp else trained) / GB,
         "activations": activation_bytes(shape, tokens, gradient_checkpointing) / GB,
         "logits": (LOGITS_BYTES[fsdp] * tokens * shape.vocab + logprob_chunk_bytes(tokens, shape.vocab)) / GB,
         "process": PROCESS_GB + (NCCL_GB if world > 1 else 0.0),
@@ -184,7 +201,7 @@ def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, se
         sampling, asleep = m["engine_budget"], m["engine_asleep"]  # the engine fills its share (the KV cache)
     else:
         # HFSampler: unsharded, it shares the trainer's model; "none": no sampler (SFT)
-        m["sampler_weights"] = COMPUTE_BYTES * p / GB if fsdp and sampler == "hf" else 0.0
+        m["sampler_weights"] = COMPUTE_BYTES * p / GB if (fsdp or lora) and sampler == "hf" else 0.0
         m["kv_cache"] = hf_slots * seq_tokens * shape.kv_bytes_per_token / GB if sampler == "hf" else 0.0
         m["sampler_other"] = 0.0
         m["kv_cache_tokens"] = hf_slots * seq_tokens if sampler == "hf" else 0
@@ -287,15 +304,17 @@ def memory_lines(cfg, world: int) -> list[str]:
     if isinstance(found, str):
         return [found]
     shape, name = found
-    shard, tokens = min(world, cfg.gpus_per_node), cfg.max_prompt_tokens + cfg.max_response_tokens
+    shard = min(world, cfg.gpus_per_node) if cfg.fsdp else 1
+    tokens = cfg.max_prompt_tokens + cfg.max_response_tokens
+    adapter = shape.lora_params(cfg.lora_rank, cfg.lora_targets) if cfg.lora_rank else 0
     # by tokens: a micro-batch holds at most the budget, or one rollout longer than it
     budget = cfg.max_tokens_per_micro_batch
     micro = max(budget, tokens) if budget else cfg.micro_batch_size * tokens
-    m = memory_per_gpu(shape, shard=shard, fsdp=True, micro_batch=cfg.micro_batch_size, seq_tokens=tokens,
+    m = memory_per_gpu(shape, shard=shard, fsdp=cfg.fsdp, micro_batch=cfg.micro_batch_size, seq_tokens=tokens,
                        gradient_checkpointing=cfg.gradient_checkpointing, sampler=cfg.sampler,
                        gpu_gb=cfg.gpu_memory_gb, world=world, engine_fraction=cfg.vllm_gpu_memory_utilization,
                        engine_tp=cfg.vllm_tensor_parallel_size, engine_eager=cfg.vllm_enforce_eager,
-                       hf_slots=cfg.rollout_batch_size, micro_tokens=micro)
+                       hf_slots=cfg.rollout_batch_size, micro_tokens=micro, lora=adapter)
     gpu = cfg.gpu_memory_gb
 
     def fits(total: float) -> str:
@@ -312,7 +331,10 @@ def memory_lines(cfg, world: int) -> list[str]:
     return [
         f"model                  {name}: {shape.params / 1e9:.2f}B parameters, {shape.layers} layers, hidden "
         f"{shape.hidden}, vocab {shape.vocab:,}",
-        f"memory per GPU (GB)    an estimate (tools/memory_plan.py): FSDP over {shard} GPUs, fp32 master weights, "
+        f"memory per GPU (GB)    an estimate (tools/memory_plan.py): "
+        + (f"FSDP over {shard} GPUs, " if cfg.fsdp else "no FSDP (one process or DDP), ")
+        + (f"LoRA rank {cfg.lora_rank}: {adapter / 1e6:,.1f}M trained parameters with fp32 masters "
+           f"({adapter / shape.params:.2%}), the rest frozen in bf16, " if adapter else "fp32 master weights, ")
         + (f"micro-batch at most {micro:,} tokens" if budget else
          f"micro-batch {cfg.micro_batch_size} x {tokens:,} tokens") + f", checkpointing {cfg.gradient_checkpointing}",
         f"  while sampling       weights {m['weights']:.1f} + AdamW {m['adamw']:.1f} + {sampler} + process "
