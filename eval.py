@@ -72,10 +72,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import cpu_threads
-from checkpoint import atomic_write_text, config_changes, filter_jsonl, read_jsonl_rows, run_identity
-from config import check_ranges, format_config, parse_cli, save_config
-from data import check_model_path, load_pretrained, load_problems, write_jsonl
+from plumbing import cpu_threads
+from plumbing.checkpoint import atomic_write_text, config_changes, filter_jsonl, read_jsonl_rows, run_identity
+from plumbing.config import check_ranges, format_config, parse_cli, save_config
+from plumbing.data import check_model_path, load_pretrained, load_problems, write_jsonl
 from protocol import DEFAULT_USER_INSTRUCTION, IM_END, TOOL_NAME, chat_format_of, parse_tool_call
 from tools.report import write_report
 from reward import check_many, default_pool, extract_answer, is_equivalent
@@ -385,14 +385,14 @@ def start_ranks() -> tuple[int, int]:
     """(rank, world size): (0, 1) for a plain `python eval.py`; under torchrun / accelerate launch with several
     processes, the process group is set up here (Accelerate's PartialState: gloo on CPU, NCCL on GPU, each rank
     on its LOCAL_RANK's GPU). A rank that is done waits in the next gather for the slowest one, so the group's
-    timeout is the trainer's (accel.py), not torch's 10 minutes."""
+    timeout is the trainer's (plumbing/accel.py), not torch's 10 minutes."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1:
         return 0, 1
     from datetime import timedelta
     import torch
     from accelerate import PartialState
-    from accel import PROCESS_GROUP_TIMEOUT_S, start_process_group
+    from plumbing.accel import PROCESS_GROUP_TIMEOUT_S, start_process_group
     start_process_group(PROCESS_GROUP_TIMEOUT_S)
     # cpu=True without a GPU: the only way PartialState sets up gloo across CPU processes
     state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
@@ -407,7 +407,7 @@ def rank_of_process() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
 
 
-def rank_share(count: int, rank: int, world: int) -> list[int]:
+def problem_share(count: int, rank: int, world: int) -> list[int]:
     """The indices of the problems `rank` plays: rank, rank + world, ... (every problem on exactly one rank; none
     when there are more ranks than problems). Whole problems, so a problem's k samples are summarized together."""
     return list(range(rank, count, world))
@@ -527,8 +527,8 @@ def run(cfg: EvalConfig) -> dict | None:
     its trajectories are on disk); a rerun with the same config keeps finished benchmarks and does the rest.
     Under a launcher each rank plays its share of every benchmark and the main process writes everything; it
     returns the results, the other ranks None."""
-    import accel
-    with accel.process_group_ends():  # the group start_ranks sets up, on every way out (accel.py, point 4)
+    from plumbing import accel
+    with accel.process_group_ends():  # the group start_ranks sets up, on every way out (plumbing/accel.py, point 4)
         return evaluate_benchmarks(cfg)
 
 
@@ -598,10 +598,10 @@ def evaluate_todo(cfg: EvalConfig, todo: list, results: dict, identity: dict, sa
     """The benchmarks not finished yet, each rank its share; the main process writes their trajectories and adds
     each to results (and results.json) as it ends."""
     from transformers import set_seed
-    from accel import peers as make_peers
+    from plumbing.accel import peers as make_peers
     from code_tool import CodeTool
     main, k, out = rank == 0, cfg.samples, traj_file.parent
-    peers = make_peers(cfg.peer_timeout_s, "eval")  # waiting for the slowest rank's share (accel.py, point 5)
+    peers = make_peers(cfg.peer_timeout_s, "eval")  # waiting for the slowest rank's share (plumbing/accel.py, point 5)
     say = print if main else (lambda *args: None)
     fmt = chat_format_of(cfg)
     tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
@@ -615,7 +615,7 @@ def evaluate_todo(cfg: EvalConfig, todo: list, results: dict, identity: dict, sa
             # own rollouts (seed + rank: one process has rank 0, so its samples are those of before).
             set_seed(rank_seed(cfg.seed, rank))
             start = time.perf_counter()
-            mine = rank_share(len(problems), rank, world)
+            mine = problem_share(len(problems), rank, world)
             peers.start(name)
             trajs, timeouts = roll_and_score(
                 [problems[i] for i in mine], sampler, tool, tokenizer, fmt, k, cfg.max_response_tokens,

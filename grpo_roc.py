@@ -14,8 +14,10 @@ Report", arXiv 2508.20722, §2; in our words: docs/method.md, section 3):
    gathered numbers of every rollout, so a group's rollouts need not have been sampled on one rank.
 4. `policy_loss`: token-level clipped surrogate (DAPO-style, clip 0.2 / 0.28), summed over all unmasked
    tokens and divided by the token count of the whole optimizer step (`normaliser`), so micro-batches and
-   data-parallel ranks add up to exactly the big-batch gradient (verl only approximates this per
-   micro-batch). `sequence_mean_policy_loss` is the original GRPO aggregation, for ablations (its `normaliser`
+   data-parallel ranks add up to exactly the big-batch gradient. verl's current `agg_loss` does the same (it
+   divides by the step's token count over all ranks and multiplies by the data-parallel size); its legacy path,
+   which counts each micro-batch's own tokens, only approximates it; TRL's `dapo` loss divides by a count gathered
+   over processes. `sequence_mean_policy_loss` is the original GRPO aggregation, for ablations (its `normaliser`
    counts sequences). Both take optional per-token weights, the mismatch corrections of mismatch.py.
 
 Report vs public code (docs/method.md §8), as offered here:
@@ -277,6 +279,11 @@ def sequence_mean_policy_loss(logp, old_logp, advantages, loss_mask, clip_low=0.
     # L = sum_i [ (1/|o_i|) sum_t mask_it * l_it ] / num_sequences
     loss = (token_loss.sum(dim=1) / tokens_per_seq).sum() / denominator
     return loss, _loss_metrics(log_ratio, advantages, loss_mask, clip_low, clip_high, dual_clip)
+
+
+# Loss aggregation, for ablations (config `loss_agg`, picked at train.update_policy's one call site): name -> (loss
+# function, what its `normaliser` counts over the whole mini-batch: sampled tokens, or rollouts).
+LOSSES = {"token": (policy_loss, "tokens"), "sequence": (sequence_mean_policy_loss, "sequences")}
 
 
 # ----------------------------------------------------------------------------------- demo

@@ -102,6 +102,11 @@ def sequence_mask_weights(trainer_logp, sampler_logp, loss_mask, low: float = 0.
     return (mask & keep.unsqueeze(1)).to(trainer_logp.dtype)
 
 
+# Corrections (config `mismatch_correction`, picked at train.update_policy's one call site): name -> the per-token
+# loss weights; None: no correction (the report's loss).
+CORRECTIONS = {"off": None, "tis": truncated_is_weights, "seq_mask": sequence_mask_weights}
+
+
 # ----------------------------------------------------------------------------------- demo
 if __name__ == "__main__":
     torch.manual_seed(0)

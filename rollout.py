@@ -161,7 +161,7 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
             max_turns: int, temperature: float = 1.0, top_p: float = 1.0, sync_turns: bool = False,
             progress: bool = False, more=None, seeds=None) -> list[Trajectory]:
     """Play out every problem (repeat a problem 2G times for a group) and return one Trajectory per problem, in
-    order. sampler: see sampler.py (`add`, `step`, `has_work`); tool: a CodeTool (only `submit`).
+    order. sampler: see samplers/interface.py (`add`, `step`, `has_work`); tool: a CodeTool (only `submit`).
     more(running) -> list[str]: further problems, asked at the start and after every engine step (again after
     each non-empty answer), with the number of rollouts not yet ended ([] for none now); their trajectories follow, in the order given (schedule.py). Being
     asked is also the rank's sign of progress (accel.Peers).

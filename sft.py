@@ -35,7 +35,7 @@ reduce-scattered at once, so no rank holds a full unsharded gradient (at 14B, sk
 per GPU of them until the window ends). The lr schedule is stepped once per optimizer step. sft/loss averages the
 real micro-batches' losses over all ranks. Left out: evaluation during training.
 
-Checkpoints (`checkpoint.py`): every `save_every` optimizer steps the run folder gets `checkpoint-{step}` (model,
+Checkpoints (`plumbing/checkpoint.py`): every `save_every` optimizer steps the run folder gets `checkpoint-{step}` (model,
 optimizer, lr schedule, every rank's RNG states) and the data position: the epoch and the windows (optimizer steps)
 done in it, which do not depend on the number of processes, so a run checkpointed on P processes continues on any
 other number that divides the batch. A run started again in the same folder continues from the newest complete
@@ -45,7 +45,7 @@ same weights and log as one that never stopped (to float rounding when the numbe
 checkpoint from before this position format (it counted one rank's micro-batches) is refused. `resume=never`
 refuses a folder that already holds a run; `resume=PATH` starts from that checkpoint. A resume whose config or data
 differ from the checkpoint's is refused unless the keys are named in `resume_allow_changes`; a folder stopped
-before its first checkpoint starts over with its log kept aside (checkpoint.py has the rules). A NaN or infinite
+before its first checkpoint starts over with its log kept aside (plumbing/checkpoint.py has the rules). A NaN or infinite
 loss stops the run before the weights change; model/ is written beside and renamed.
 
 Run:  python sft.py configs/tiny/sft.yaml [key=value ...]
@@ -63,20 +63,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import cpu_threads  # noqa: F401  (first: it sets OpenMP's wait policy, which is read when torch loads)
+from plumbing import cpu_threads  # noqa: F401  (first: it sets OpenMP's wait policy, which is read when torch loads)
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-import accel
-import lora
-from checkpoint import (STATE_FILE, begin_run, input_dtype, latest_checkpoint, load_checkpoint, resume_point,
+from plumbing import accel
+from plumbing import lora
+from plumbing.checkpoint import (STATE_FILE, begin_run, input_dtype, latest_checkpoint, load_checkpoint, resume_point,
                         run_identity, save_checkpoint, save_model)
-from config import check_ranges, format_config, parse_cli, save_config, tracker_config
-from data import check_model_path, load_conversations, load_pretrained
-from lora import DEFAULT_TARGETS
+from plumbing.config import check_ranges, format_config, parse_cli, save_config, tracker_config
+from plumbing.data import check_model_path, load_conversations, load_pretrained
+from plumbing.lora import DEFAULT_TARGETS
 from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of, encode
 
 IGNORE = -100  # label of a token that is not trained (PyTorch cross_entropy's ignore_index)
@@ -299,7 +299,7 @@ def windows(batches: LengthGroupedBatches, epochs: int, size: int, start: tuple[
 
 # ----------------------------------------------------------------------------------- plumbing (ranks live here)
 def make_accelerator(cfg: SFTConfig) -> tuple[Accelerator, int]:
-    """The Accelerator (accel.py: trackers, process-group timeout, FSDP2 policy) and the micro-batches each rank
+    """The Accelerator (plumbing/accel.py: trackers, process-group timeout, FSDP2 policy) and the micro-batches each rank
     runs per optimizer step (micro_batch_size * that * world_size == batch_size)."""
     acc = accel.make_accelerator(mixed_precision=cfg.mixed_precision, report_to=cfg.report_to, out_dir=cfg.out_dir,
                                  timeout_s=cfg.process_group_timeout_s)
@@ -312,7 +312,7 @@ def make_accelerator(cfg: SFTConfig) -> tuple[Accelerator, int]:
     return acc, cfg.batch_size // per_step
 
 
-def rank_share(window: list, rank: int, world: int) -> tuple[list, int]:
+def window_share(window: list, rank: int, world: int) -> tuple[list, int]:
     """This rank's micro-batches of a window (the window's r, r+P, r+2P, ...) and how many micro-batches every rank
     runs: the most any rank has, so that all join every collective (the others run fillers)."""
     return window[rank::world], math.ceil(len(window) / world)
@@ -330,7 +330,7 @@ def accumulate_window(acc: Accelerator, model, window: list, examples: list, col
     collective. Under DDP all but the last micro-batch skip the all-reduce (no_sync). Under FSDP2 every micro-batch
     is reduce-scattered into the shards as it comes: skipping the sync would keep each parameter's full unsharded
     gradient on every rank until the window ends."""
-    mine, runs = rank_share(window, acc.process_index, acc.num_processes)
+    mine, runs = window_share(window, acc.process_index, acc.num_processes)
     losses, tokens = [], 0
     for j in range(runs):
         real = j < len(mine)
@@ -450,7 +450,7 @@ def check_inputs(cfg: SFTConfig):
 def load_model(cfg: SFTConfig, saved_dtype: torch.dtype):
     """The model as fp32 master weights whatever the checkpoint's dtype (AdamW's steps at lr 5e-6 are below bf16's
     resolution for most weights: they would round away; mixed_precision=bf16 computes in bf16), or under LoRA
-    frozen in `saved_dtype` with an fp32 adapter (lora.py); and AdamW over what trains (no weight decay on norms
+    frozen in `saved_dtype` with an fp32 adapter (plumbing/lora.py); and AdamW over what trains (no weight decay on norms
     and biases)."""
     from transformers import AutoModelForCausalLM
     try:
@@ -485,7 +485,7 @@ def training_data(acc: Accelerator, cfg: SFTConfig, tokenizer, chat, conversatio
 
 def train(cfg: SFTConfig) -> Path:
     """Run SFT as configured (continuing from a checkpoint where there is one); returns the saved model's folder."""
-    with accel.process_group_ends():  # on every way out, errors included (accel.py, point 4)
+    with accel.process_group_ends():  # on every way out, errors included (plumbing/accel.py, point 4)
         return run_sft(cfg)
 
 

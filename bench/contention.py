@@ -10,7 +10,7 @@ rounds; throughput is the mean of the logged `perf/tokens_per_s` after the first
 ratio busy / alone is the result: a policy that holds up keeps most of its own idle speed (a loop that takes one of
 C cores leaves (C - 1) / C of the machine).
 
-Policies (cpu_threads.py explains the choice):
+Policies (plumbing/cpu_threads.py explains the choice):
 - old: torch's default, one thread per usable core, and GNU OpenMP's default wait (spin 300,000 rounds before
   sleeping: GOMP_SPINCOUNT=300000, which is what an unset OMP_WAIT_POLICY means to it);
 - passive: as many threads, but waiting threads sleep (OMP_WAIT_POLICY=PASSIVE);
@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from cpu_threads import WAIT_POLICY_VARIABLES, usable_cores  # noqa: E402
+from plumbing.cpu_threads import WAIT_POLICY_VARIABLES, usable_cores  # noqa: E402
 
 BUSY_LOOP = "while True:\n    pass"
 

@@ -8,7 +8,7 @@ What runs, with nothing downloaded: a random Qwen3 of Qwen3-0.6B's shape (memory
 the BPE ranks `make qwen-vocab` fetches (tools/qwen_vocab.py). Then each entry point as a user launches it:
   1. sft.py on tool-call conversations written here, with `accelerate launch --config_file
      configs/accelerate/fsdp_1gpu.yaml`: FSDP2 on one process, bf16 compute with fp32 master weights and fp32
-     gradient reduction (accel.py), gradient checkpointing;
+     gradient reduction (plumbing/accel.py), gradient checkpointing;
   2. train.py configs/qwen3-0.6b/stage1.yaml from SFT's model, the same launch, with small sizes: HFSampler
      rollouts with the code tool's workers running, the weight hand-off and its check after every step,
      checkpoints and the final save;
@@ -194,7 +194,7 @@ def sft_conversations(n: int, words: int) -> list[dict]:
 def write_inputs(work: Path, sizes: dict) -> dict:
     """The model, tokenizer and data files of the check, under `work`."""
     from tools import qwen_vocab
-    from data import write_jsonl
+    from plumbing.data import write_jsonl
     model = qwen_vocab.random_qwen3(work / "base", sizes["shape"], seed=0, dtype="bfloat16")
     n_sft = sizes["sft_steps"] * sizes["sft_batch"]  # one epoch: every conversation trained exactly once
     sft = write_jsonl(work / "sft.jsonl", sft_conversations(n_sft, sizes["turn_words"]))
@@ -208,7 +208,7 @@ def write_inputs(work: Path, sizes: dict) -> dict:
 def sft_lengths(model: Path, data: Path, system_prompt: str) -> list[int]:
     """Token count of each SFT conversation, as sft.py builds them."""
     from transformers import AutoTokenizer
-    from data import load_conversations
+    from plumbing.data import load_conversations
     from protocol import chat_format
     from sft import SFTConfig, build_examples
     chat = chat_format(system_prompt, SFTConfig().user_instruction)
@@ -255,7 +255,7 @@ def worker(phase: str, argv: list[str]) -> None:
     t0 = time.perf_counter()
     if phase == "sft":
         import sft
-        from config import parse_cli
+        from plumbing.config import parse_cli
         sft.train(parse_cli(sft.SFTConfig, argv))
     elif phase == "train":
         record["steps"] = run_train(argv)
@@ -268,7 +268,7 @@ def worker(phase: str, argv: list[str]) -> None:
 
 def run_train(argv: list[str]) -> list[dict]:
     """train.main(argv) with the fixed-pattern reward and per-phase timers and memory figures."""
-    import accel
+    from plumbing import accel
     import train
     from reward import Verdict
     steps: list[dict] = []

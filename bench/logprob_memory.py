@@ -1,4 +1,4 @@
-"""The update's log-prob memory at Qwen3's vocabulary (V = 151,936): the direct log-softmax against logprobs.py's
+"""The update's log-prob memory at Qwen3's vocabulary (V = 151,936): the direct log-softmax against plumbing/logprobs.py's
 chunked way, side by side in one run.
 
     python bench/logprob_memory.py [--tokens 1024] [--hidden 1024]
@@ -10,7 +10,7 @@ the logits as each launch hands them over:
 - fsdp2-bf16: bf16 logits from bf16 weights, as FSDP2's mixed precision policy computes (the real configs);
 - ddp-bf16: the output layer under bf16 autocast, then the fp32 copy Accelerate makes of the model's outputs
   (convert_outputs_to_fp32), as one process or DDP runs mixed_precision: bf16.
-The two ways: "direct", the log-softmax train.token_logprobs took before (fp32 copy, divided by the temperature,
+The two ways: "direct", the log-softmax batches.token_logprobs took before (fp32 copy, divided by the temperature,
 log_softmax over the vocabulary, gather), and "chunked", logprobs.sampled_logprobs.
 
 Peak memory, measured two ways, because torch's CPU allocator keeps no peak counter:
@@ -39,7 +39,7 @@ COMPUTES = ("fp32", "fsdp2-bf16", "ddp-bf16")
 
 
 def direct_logprobs(logits, targets, temperature):
-    """The way train.token_logprobs computed it before logprobs.py: the whole fp32 log-softmax."""
+    """The way batches.token_logprobs computed it before plumbing/logprobs.py: the whole fp32 log-softmax."""
     return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
@@ -50,7 +50,7 @@ def current_rss() -> int:
 
 def variant(way: str, compute: str, tokens: int, hidden: int, out: Path) -> dict:
     """One forward and backward in this process; returns the two peaks (bytes) and writes the values to `out`."""
-    from logprobs import sampled_logprobs
+    from plumbing.logprobs import sampled_logprobs
     g = torch.Generator().manual_seed(0)
     h = (torch.randn(tokens, hidden, generator=g)).requires_grad_()
     weight = torch.randn(V, hidden, generator=g) * hidden ** -0.5  # logits of unit scale

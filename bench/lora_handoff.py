@@ -1,4 +1,4 @@
-"""The LoRA hand-off on vLLM's CPU build: merged layers into the engine (what train.py does, lora.py) against
+"""The LoRA hand-off on vLLM's CPU build: merged layers into the engine (what train.py does, plumbing/lora.py) against
 vLLM's own LoRA path (the engine built with enable_lora, the adapter read from disk by a LoRARequest), side by side
 in one run.
 
@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-import lora  # noqa: E402
-from handoff import sequence_logprobs  # noqa: E402
+from plumbing import lora  # noqa: E402
+from plumbing.handoff import sequence_logprobs  # noqa: E402
 from protocol import chat_format  # noqa: E402
 from samplers.vllm_engine import VLLMSampler  # noqa: E402
 from tiny.model import build_tiny  # noqa: E402

@@ -33,7 +33,7 @@ answer) with loss on the assistant tokens only. Rollouts then SAMPLE from that m
 is forced, so some calls are malformed or wrong, as in real RL. The numbers it copies are usually wrong; that does
 not matter for throughput.
 
-torch threads: `--threads 1` (default) leaves the second core to the tool's workers (cpu_threads.py).
+torch threads: `--threads 1` (default) leaves the second core to the tool's workers (plumbing/cpu_threads.py).
 """
 import argparse
 import random
@@ -53,7 +53,7 @@ from code_tool import CodeTool  # noqa: E402
 from protocol import TOOL_NAME, chat_format  # noqa: E402
 from rollout import means, rollout, rollout_sums  # noqa: E402
 from samplers.hf import HFSampler  # noqa: E402
-from sampler import generate_all  # noqa: E402
+from samplers.interface import generate_all  # noqa: E402
 from sft import build_labels, collate, masked_lm_loss  # noqa: E402
 from tiny.model import build_tiny  # noqa: E402
 

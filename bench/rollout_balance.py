@@ -45,8 +45,9 @@ def budget_sampler(train, long: int, short: int) -> None:
             cap = long if LONG_MARK in self.tokenizer.decode(prompt[:200]) else short
             super().add(key, prompt, min(max_new_tokens, cap), temperature, top_p)
 
-    train.make_sampler = lambda cfg, model, tokenizer: BudgetSampler(model, tokenizer, cfg.rollout_batch_size,
-                                                                     stop_ids=[])
+    from plumbing import rl_stage
+    rl_stage.make_sampler = lambda cfg, model, tokenizer: BudgetSampler(model, tokenizer, cfg.rollout_batch_size,
+                                                                        stop_ids=[])
 
 
 def coin_reward(train) -> None:
@@ -114,7 +115,7 @@ def main(argv=None) -> None:
     args, rest = p.parse_known_args(argv)
     if args.worker:
         return worker([a for a in rest if a != "--"], args.long, args.short)
-    from data import write_jsonl
+    from plumbing.data import write_jsonl
     from tiny.model import build_tiny
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

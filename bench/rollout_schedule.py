@@ -240,7 +240,7 @@ def engine_plan(config_path: str) -> tuple[memory_plan.Shape, float, dict]:
     """(model shape, the vLLM engine's KV cache tokens, the config's step sizes) from a training config, by
     tools/memory_plan.py's rules. Loads train.TrainConfig (imports torch: a couple of seconds)."""
     import train
-    from config import load_config
+    from plumbing.config import load_config
     path = Path(config_path)
     cfg = load_config(train.TrainConfig, [path if path.is_file() else ROOT / path])
     found = memory_plan.shape_of(cfg.model_path, cfg.model_shape)

@@ -6,7 +6,7 @@
 The tiny pipeline's SFT model (`make tiny`, or its first three commands: tiny/pipeline.py's docstring) rolls out the
 same problems at temperature 1 with the real code tool and stage 1's budget, once per sampler: HFSampler (our decode
 loop, fp32, sharing the trainer's weights), and vLLM's CPU build in fp32 and in bf16 (eager). Each sampler's own
-rollouts are then scored by the fp32 trainer (train.token_logprobs on train.pad_batch micro-batches, as the update
+rollouts are then scored by the fp32 trainer (batches.token_logprobs on batches.pad_batch micro-batches, as the update
 does), and the gap on the sampled tokens is measured with mismatch.py's functions: mean |log pi_old - log
 pi_sampler|, the largest such gap of one token, the k3 estimate of KL(sampler || trainer), the share of tokens whose
 ratio leaves [1/2, 2], the largest |log w| of a rollout (w: its sequence-level importance weight) and the effective
@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import train  # noqa: E402
+from plumbing import batches  # noqa: E402
 from code_tool import CodeTool  # noqa: E402
-from data import load_problems  # noqa: E402
+from plumbing.data import load_problems  # noqa: E402
 from mismatch import mismatch_sums, sequence_log_ratios, sequence_mask_weights, sequence_mismatch  # noqa: E402
 from samplers.hf import HFSampler  # noqa: E402
 from protocol import chat_format  # noqa: E402
@@ -39,10 +40,10 @@ def gap(model, trajs, temperature: float, cfg: train.TrainConfig, pad_id: int, m
     with torch.no_grad():
         for i in range(0, len(trajs), micro):
             chunk = trajs[i:i + micro]
-            batch = train.pad_batch(chunk, pad_id)
+            batch = batches.pad_batch(chunk, pad_id)
             mask = batch["loss_mask"]
-            trainer = train.token_logprobs(model, batch, temperature)
-            sampler = train.sampler_logprobs(chunk, mask.shape[1])
+            trainer = batches.token_logprobs(model, batch, temperature)
+            sampler = batches.sampler_logprobs(chunk, mask.shape[1])
             for k, (total, count) in mismatch_sums(trainer, sampler, mask).items():
                 sums[k] = [a + b for a, b in zip(sums.get(k, [0.0, 0.0]), (total, count))]
             log_w += sequence_log_ratios(trainer, sampler, mask).tolist()

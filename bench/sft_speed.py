@@ -31,11 +31,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import cpu_threads  # noqa: E402,F401  (before torch: the shipped OpenMP wait policy)
+from plumbing import cpu_threads  # noqa: E402,F401  (before torch: the shipped OpenMP wait policy)
 import torch  # noqa: E402
 
-from config import load_config  # noqa: E402
-from data import load_conversations  # noqa: E402
+from plumbing.config import load_config  # noqa: E402
+from plumbing.data import load_conversations  # noqa: E402
 from protocol import chat_format  # noqa: E402
 from sft import (SFTConfig, LengthGroupedBatches, build_examples, collate, masked_lm_loss, pack,  # noqa: E402
                  stop_unless_finite)
@@ -150,7 +150,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per way per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps per way first (compilation too)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: cpu_threads.py's choice)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: plumbing/cpu_threads.py's choice)")
     parser.add_argument("--data", type=Path, help="an SFT file (default: the tiny task's, made here)")
     parser.add_argument("--model", type=Path, help="a base model folder (default: tiny/model.py's, made here)")
     parser.add_argument("--ways", default="all", help="comma-separated names of the ways to run (default all)")

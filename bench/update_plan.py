@@ -105,7 +105,8 @@ def worker(argv: list[str], plan: str, long: int, short: int) -> None:
 def copy_fillers(train) -> None:
     """The old plan's filler: a copy of one of this rank's rollouts of the step, its loss mask zeroed (the update
     before the token plan copied the step's first rollout to every rank), instead of two pad tokens."""
-    from schedule import TrainRow
+    from plumbing import batches
+    from plumbing.update_plan import TrainRow
     real_work, first = train.update_work, {}
 
     def update_work(acc, scores, kept, local, *args, **kwargs):
@@ -116,7 +117,7 @@ def copy_fillers(train) -> None:
     def filler_row(pad_id, measured):
         row = first["row"]
         return TrainRow(row.prompt_ids, row.response_ids, row.loss_mask, row.logprobs if measured else None)
-    train.update_work, train.filler_row = update_work, filler_row
+    train.update_work, batches.filler_row = update_work, filler_row
 
 
 # ============================================================================ the runs
@@ -146,7 +147,7 @@ def census(out: Path, world: int, first: int) -> float:
 
 def prepare(root: Path, prompts: int) -> Path:
     """The tiny base model and the skewed problems under root."""
-    from data import write_jsonl
+    from plumbing.data import write_jsonl
     from rollout_balance import skewed_problems
     from tiny.model import build_tiny
     build_tiny(root / "base", max_positions=512)

@@ -11,9 +11,9 @@ rollouts at the report's scale and prices three plans of its update:
   by tokens);
 - balanced, micro-batches of rollouts: the kept rollouts first spread over ranks by tokens (each rank keeps its own
   largest first while under the mean, the rest longest first to the least loaded rank), then cut as above;
-- packed (schedule.plan_update, what train.py runs): micro-batches of at most `--budget` tokens, the rollouts
+- packed (update_plan.plan_update, what train.py runs): micro-batches of at most `--budget` tokens, the rollouts
   partitioned over ranks x slots by tokens (LPT) so every rank has the same number of slots of about the same
-  tokens; fillers of two tokens; laid out as schedule.layout_for says (under sdpa rows about as wide as the longest
+  tokens; fillers of two tokens; laid out as update_plan.layout_for says (under sdpa rows about as wide as the longest
   rollout, every rank's row count within one of the others'; `--attention flash` one row a micro-batch).
 `static` (packed, each rank its own) is printed too: schedule=static under the packed plan.
 
@@ -86,7 +86,7 @@ def spread_by_tokens(tokens: list[int], owners: list[int], world: int) -> list[i
 def count_plan(tokens: list[int], dest: list[int], world: int, size: int) -> list[list]:
     """Micro-batches of `size` rollouts, each rank's sorted by length, padded, slot s = each rank's s-th (or a
     filler)."""
-    from schedule import MicroBatch, as_micro_batch
+    from plumbing.update_plan import MicroBatch, as_micro_batch
     per_rank = [sorted((i for i in range(len(tokens)) if dest[i] == r), key=lambda i: tokens[i]) for r in range(world)]
     chunks = [[as_micro_batch(m[j:j + size], tokens, "padded") for j in range(0, len(m), size)] for m in per_rank]
     depth = max(len(c) for c in chunks)
@@ -107,7 +107,7 @@ class Costs:
 
 
 def price(plan: list[list], tokens: list[int], one_row: bool, filler: int, costs: Costs) -> dict:
-    """A plan's lockstep (slots of schedule.MicroBatch): useful tokens / (ranks x sum over slots of the largest
+    """A plan's lockstep (slots of update_plan.MicroBatch): useful tokens / (ranks x sum over slots of the largest
     part's forwarded tokens), the shares of padding and fillers in those token slots, and the update's seconds
     (each slot its slowest part). Attended pairs: each row's full square (padded rows, and packed rows under sdpa),
     or each sequence's own in one row (flash attention's varlen kernels). filler: a filler's tokens."""
@@ -134,7 +134,7 @@ def price(plan: list[list], tokens: list[int], one_row: bool, filler: int, costs
 
 
 def simulate_step(args, seed: int, shape, kv_tokens: float, decode) -> list[tuple[str, dict]]:
-    import schedule
+    from plumbing import update_plan
     rng = np.random.default_rng(seed)
     lengths = rollout_schedule.sample_lengths(rng, args.prompts, args.rollouts, args.response_budget,
                                               args.median_tokens, args.prompt_sigma, args.rollout_sigma)
@@ -155,12 +155,12 @@ def simulate_step(args, seed: int, shape, kv_tokens: float, decode) -> list[tupl
     rows.append(("balanced, micro-batches of rollouts", price(count_plan(
         tokens, spread_by_tokens(tokens, home["balanced"], args.ranks), args.ranks, args.micro_batch), tokens,
         False, first, costs)))
-    layout = schedule.layout_for(args.budget, one_row)
+    layout = update_plan.layout_for(args.budget, one_row)
     for name, spread, owner in (("static, packed", False, home["static"]),
                                 ("balanced, packed (train.py)", True, home["balanced"])):
-        plan = schedule.plan_update(tokens, owner, [0] * len(tokens), 1, args.ranks, args.budget, 1, spread,
+        plan = update_plan.plan_update(tokens, owner, [0] * len(tokens), 1, args.ranks, args.budget, 1, spread,
                                     layout)[0]
-        rows.append((name, price(plan, tokens, one_row, schedule.FILLER_TOKENS, costs)))
+        rows.append((name, price(plan, tokens, one_row, update_plan.FILLER_TOKENS, costs)))
     return rows
 
 
@@ -183,7 +183,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     import train
-    from config import load_config
+    from plumbing.config import load_config
     path = Path(args.config)
     cfg = load_config(train.TrainConfig, [path if path.is_file() else ROOT / path])
     shape, kv_tokens, sizes = rollout_schedule.engine_plan(args.config)

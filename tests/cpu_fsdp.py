@@ -49,8 +49,8 @@ def enable() -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import accel
+    from plumbing import accel
     enable()
     sys.argv = sys.argv[1:]
-    with accel.process_group_ends():  # whatever the entry point does on its way out (accel.py, point 4)
+    with accel.process_group_ends():  # whatever the entry point does on its way out (plumbing/accel.py, point 4)
         runpy.run_path(sys.argv[0], run_name="__main__")

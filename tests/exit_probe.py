@@ -1,6 +1,6 @@
 """`python tests/exit_probe.py SCRIPT ARGS...` (under torchrun): runs SCRIPT as its command line would and, as the
 very last thing before the interpreter shuts down, writes $PROBE_DIR/rank{RANK}.json: whether a process group was
-still alive then (one left alive can abort the exit: accel.py, point 4) and how the script ended."""
+still alive then (one left alive can abort the exit: plumbing/accel.py, point 4) and how the script ended."""
 import atexit
 import json
 import os

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval as ev  # noqa: E402
 import sft  # noqa: E402
 import train  # noqa: E402
+from plumbing import rl_stage  # noqa: E402
 from scripted_policy import ScriptedSampler  # noqa: E402
 # transformers imports a model's code on first use (seconds): import what the tiny model uses here, once
 from tiny.model import Qwen3ForCausalLM, PreTrainedTokenizerFast  # noqa: E402, F401
@@ -33,7 +34,7 @@ def entry_point(name: str, args: list[str]) -> None:
     if name == "sft":
         sft.train(sft.parse_cli(sft.SFTConfig, args))
     elif name == "train":
-        train.make_sampler = lambda cfg, model, tokenizer: ScriptedSampler(model, tokenizer, use_rng=True)
+        rl_stage.make_sampler = lambda cfg, model, tokenizer: ScriptedSampler(model, tokenizer, use_rng=True)
         train.main(args)
     else:  # the same scripted answers (integers: no slow answer checks, whose time limit a loaded machine can hit)
         from transformers import AutoTokenizer

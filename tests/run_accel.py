@@ -1,6 +1,6 @@
 """`python tests/run_accel.py MODE OUT_DIR`, launched on 2 CPU processes: what accel.make_accelerator gives a run.
 
-MODE policy: a tiny Qwen3 prepared by the Accelerator that sft.py and train.py build (accel.py; under an FSDP launch
+MODE policy: a tiny Qwen3 prepared by the Accelerator that sft.py and train.py build (plumbing/accel.py; under an FSDP launch
 through tests/cpu_fsdp.py), or by Accelerate's own default (MODE default-policy), one forward/backward in bf16 over
 gloo; each rank writes rank{R}.json with the FSDP2 policy of the prepared model and the dtype of its gradients.
 MODE timeout: the process group's timeout, seen at work: rank 1 joins an all_reduce 20 s late and rank 0 writes
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import accel  # noqa: E402
+from plumbing import accel  # noqa: E402
 
 def timeout(out: Path, rank: int) -> None:
     acc = accel.make_accelerator(mixed_precision="no", report_to=None, out_dir=str(out), timeout_s=3)
@@ -33,7 +33,7 @@ def timeout(out: Path, rank: int) -> None:
         error = f"{type(e).__name__}: {e}"
     (out / f"rank{rank}.json").write_text(json.dumps({"waited_s": time.perf_counter() - t0, "error": error}))
     # The group is broken (a peer timed out): end the process at once. os._exit runs no C++ destructor, so the
-    # worker threads cannot abort the exit the way a group left alive at a normal exit can (accel.py, point 4).
+    # worker threads cannot abort the exit the way a group left alive at a normal exit can (plumbing/accel.py, point 4).
     os._exit(0)
 
 

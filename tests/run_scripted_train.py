@@ -21,9 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-import accel  # noqa: E402
-import handoff  # noqa: E402
+from plumbing import accel  # noqa: E402
+from plumbing import handoff  # noqa: E402
 import train  # noqa: E402
+from plumbing import rl_stage  # noqa: E402
 from scripted_policy import ScriptedSampler, weights_sum  # noqa: E402
 
 def unsharded_grad_elements(model) -> int:
@@ -137,7 +138,8 @@ def record_inputs(out: Path, rank: int) -> None:
         write("kept", sorted([digest(t), round(t.advantage, 6), u] for u, slots in enumerate(work.minibatches)
                              for micro in slots for t in micro.items()))
         return real_update(acc, model, optimizer, scheduler, work, *args, **kwargs)
-    train.rollout, train.update_policy = rollout, update_policy
+    train.rollout = rl_stage.rollout = rollout  # training and held-out rollouts (rl_stage.held_out_eval)
+    train.update_policy = update_policy
 
 
 if __name__ == "__main__":
@@ -171,7 +173,7 @@ if __name__ == "__main__":
                                     logprob_shift=shift))
         return made[-1]
 
-    train.make_sampler = make
+    rl_stage.make_sampler = make
     train.main(sys.argv[1:])
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     out = Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1])

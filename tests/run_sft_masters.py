@@ -16,7 +16,7 @@ if os.environ.get("CPU_FSDP") == "1":  # before sft imports Accelerator
 import torch  # noqa: E402
 
 import sft  # noqa: E402
-from config import parse_cli  # noqa: E402
+from plumbing.config import parse_cli  # noqa: E402
 
 real_save = sft.save_model
 

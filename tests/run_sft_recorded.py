@@ -21,7 +21,7 @@ if os.environ.get("CPU_FSDP") == "1":  # before sft imports Accelerator
 from accelerate.accelerator import Accelerator  # noqa: E402
 
 import sft  # noqa: E402
-from config import parse_cli  # noqa: E402
+from plumbing.config import parse_cli  # noqa: E402
 
 record = {"trained": [], "backward": []}
 prepared = []

@@ -22,8 +22,8 @@ import torch
 
 from samplers.hf import load_named_weights
 from protocol import IM_END, format_tool_call
-from handoff import sequence_logprobs
-from sampler import Completion, TurnSampler
+from plumbing.handoff import sequence_logprobs
+from samplers.interface import Completion, TurnSampler
 
 
 def say_problems(n: int, start: int = 1) -> list[dict]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tiny import ablation
-from config import load_config
+from plumbing.config import load_config
 from train import TrainConfig
 
 

@@ -1,4 +1,4 @@
-"""accel.py, the Accelerator both entry points build: the process group's timeout reaches the group, the prepared
+"""plumbing/accel.py, the Accelerator both entry points build: the process group's timeout reaches the group, the prepared
 model's FSDP2 policy reduces gradients in fp32 (over gloo on 2 CPU processes, with tests/cpu_fsdp.py), and a
 configured tracker that cannot start stops the run with one line before any work."""
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import accel
+from plumbing import accel
 import sft
 import train
 
@@ -39,7 +39,7 @@ def test_the_prepared_model_gathers_in_bf16_and_reduces_gradients_in_fp32(tmp_pa
 
 
 def test_accelerate_s_own_policy_would_reduce_in_bf16(tmp_path):
-    """The contrast: the Accelerator train.py and sft.py built before accel.py (Accelerate's policy from
+    """The contrast: the Accelerator train.py and sft.py built before plumbing/accel.py (Accelerate's policy from
     mixed_precision=bf16) reduce-scatters gradients in bf16."""
     done, ranks = launch("configs/accelerate/fsdp_1node_8gpu.yaml", "default-policy", tmp_path, 29652,
                          {"CPU_FSDP": "1"})

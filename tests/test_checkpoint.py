@@ -1,12 +1,12 @@
-"""checkpoint.py on its own (no model): pruning order, durability order, the metrics log after a power cut."""
+"""plumbing/checkpoint.py on its own (no model): pruning order, durability order, the metrics log after a power cut."""
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-import checkpoint
-from checkpoint import latest_checkpoint, save_checkpoint, truncate_log
+from plumbing import checkpoint
+from plumbing.checkpoint import latest_checkpoint, save_checkpoint, truncate_log
 
 pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
 

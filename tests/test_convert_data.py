@@ -13,7 +13,7 @@ from huggingface_hub import errors as hub_errors
 
 from tools import convert_data
 from tools.convert_data import DAPO_PREFIX, DAPO_SUFFIX, last_boxed
-from data import load_conversations, load_problems
+from plumbing.data import load_conversations, load_problems
 
 
 def dapo(problem, answer, index):

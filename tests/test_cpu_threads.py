@@ -1,4 +1,4 @@
-"""The torch thread policy (cpu_threads.py): the count each `torch_threads` value gives, the wait policy set before
+"""The torch thread policy (plumbing/cpu_threads.py): the count each `torch_threads` value gives, the wait policy set before
 torch loads in every entry point, and a user's own environment left alone."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cpu_threads import busy_cores, resolve_threads
+from plumbing.cpu_threads import busy_cores, resolve_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def test_entry_points_choose_passive_waiting_before_torch_loads(module):
 
 
 def test_a_wait_policy_in_the_environment_is_left_alone():
-    code = "import os, cpu_threads; print(os.environ.get('OMP_WAIT_POLICY'))"
+    code = "import os; from plumbing import cpu_threads; print(os.environ.get('OMP_WAIT_POLICY'))"
     assert run_python(code, GOMP_SPINCOUNT="10000") == "None"
     assert run_python(code, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
 
@@ -85,7 +85,7 @@ def test_busy_cores_sees_a_busy_loop():
 
 def test_set_torch_threads_applies_the_policy():
     one_core = "import os; os.sched_setaffinity(0, {0}); "
-    code = "import cpu_threads, torch; print(cpu_threads.set_torch_threads({}), torch.get_num_threads())"
+    code = "from plumbing import cpu_threads; import torch; print(cpu_threads.set_torch_threads({}), torch.get_num_threads())"
     assert run_python(one_core + code.format(0)) == "1 1"  # one usable core: one thread
     assert run_python(code.format(2)) == "2 2"
     assert run_python(code.format(0), OMP_NUM_THREADS="3") == "3 3"

@@ -1,9 +1,9 @@
-"""data.py: JSONL readers accept good rows and name the file and line of a bad one."""
+"""plumbing/data.py: JSONL readers accept good rows and name the file and line of a bad one."""
 import json
 
 import pytest
 
-from data import check_model_path, load_conversations, load_problems, write_jsonl
+from plumbing.data import check_model_path, load_conversations, load_problems, write_jsonl
 from protocol import TOOL_NAME
 
 pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast

@@ -10,10 +10,10 @@ import pytest
 
 import eval as ev
 from code_tool import choose_sandbox
-from config import load_config
+from plumbing.config import load_config
 from protocol import IM_END, format_tool_call
 from rollout import ToolCallRecord, Trajectory
-from sampler import Completion, TurnSampler
+from samplers.interface import Completion, TurnSampler
 from stops import Stop
 from tiny.model import build_tiny, build_tokenizer
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import eval as ev
-from data import write_jsonl
+from plumbing.data import write_jsonl
 from scripted_policy import say_problems
 from tiny.model import build_tiny
 
@@ -81,13 +81,13 @@ def lines(out: Path) -> list[str]:
     return (out / "trajectories.jsonl").read_text().splitlines()
 
 
-def test_eval_invariance_rank_shares_cover_every_problem_once():
+def test_eval_invariance_problem_shares_cover_every_problem_once():
     for count in (0, 1, 5, 7):
         for world in (1, 2, 3, 8):
-            shares = [ev.rank_share(count, rank, world) for rank in range(world)]
+            shares = [ev.problem_share(count, rank, world) for rank in range(world)]
             assert sorted(i for share in shares for i in share) == list(range(count))
-    assert [ev.rank_share(7, r, 3) for r in range(3)] == [[0, 3, 6], [1, 4], [2, 5]]
-    assert [ev.rank_share(1, r, 3) for r in range(3)] == [[0], [], []]
+    assert [ev.problem_share(7, r, 3) for r in range(3)] == [[0, 3, 6], [1, 4], [2, 5]]
+    assert [ev.problem_share(1, r, 3) for r in range(3)] == [[0], [], []]
 
 
 def test_eval_invariance_one_two_and_three_ranks_write_the_same_results_and_trajectories(runs):
@@ -126,7 +126,7 @@ def test_eval_invariance_each_problem_is_played_by_one_rank_with_that_ranks_seed
         for rank in range(world):
             path = seen / f"rank{rank}.jsonl"
             played = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-            expected = [start + i for start, count in BENCHES.values() for i in ev.rank_share(count, rank, world)]
+            expected = [start + i for start, count in BENCHES.values() for i in ev.problem_share(count, rank, world)]
             # each of the rank's problems once, all k samples in one batch, seeded seed + rank (seed: 0)
             assert [(p["problem"], p["copy"]) for p in played] == [(n, c) for n in expected for c in range(SAMPLES)]
             assert {p["seed"] for p in played} == {rank}, (world, rank)

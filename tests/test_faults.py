@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from data import write_jsonl
+from plumbing.data import write_jsonl
 from scripted_policy import say_problems
 from test_train_invariance import assert_same_metrics_and_weights, free_port, metrics
 from tiny.model import build_tiny

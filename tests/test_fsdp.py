@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from data import write_jsonl
+from plumbing.data import write_jsonl
 from samplers.hf import load_named_weights
 from scripted_policy import say_problems
 from tiny.model import build_tiny
@@ -133,7 +133,7 @@ def test_the_loader_refuses_a_shard_or_a_missing_weight(tiny):
 def test_gathered_weights_send_a_tied_weight_under_each_name_in_the_sampler_s_dtype(tiny):
     """Every state_dict key once (the tied output layer too, which vLLM's reload loads by that name), floats cast to
     the sampler's dtype before the (FSDP) gather; None keeps them as stored."""
-    from handoff import gathered_weights
+    from plumbing.handoff import gathered_weights
     model = AutoModelForCausalLM.from_pretrained(tiny / "base")
     sent = list(gathered_weights(model, "cpu", torch.bfloat16))
     names = [name for name, _ in sent]

@@ -13,8 +13,8 @@ import pytest
 import eval as ev
 import sft
 import train
-from config import parse_cli
-from data import write_jsonl
+from plumbing.config import parse_cli
+from plumbing.data import write_jsonl
 from scripted_policy import say_problems
 from tiny.model import build_tiny
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data import write_jsonl
+from plumbing.data import write_jsonl
 from protocol import TOOL_NAME
 from scripted_policy import say_problems
 from tiny.model import build_tiny
@@ -161,11 +161,13 @@ def test_sft_killed_anywhere_ends_as_if_never_stopped(runner, tiny, tmp_path):
     assert_same_weights(straight, killed)
 
 
-def test_train_killed_anywhere_ends_as_if_never_stopped(runner, tiny, tmp_path):
+@pytest.mark.parametrize("weights", ["full", "lora"])
+def test_train_killed_anywhere_ends_as_if_never_stopped(runner, tiny, tmp_path, weights):
+    """Every weight trained, or a LoRA adapter (its checkpoints hold the adapter alone: plumbing/lora.py)."""
     args = ["configs/tiny/stage1.yaml", f"model_path={tiny / 'base'}", f"data=[{tiny / 'say.jsonl'}]",
             "prompts_per_step=4", "rollouts_per_prompt=8", "group_size=4", "steps=8", "eval_data=null",
             "save_every=1", "max_response_tokens=96", "lr=1e-2", "warmup_steps=2", "torch_threads=1",
-            "tool_workers=1", "tool_timeout=30", "sync_turns=true"]
+            "tool_workers=1", "tool_timeout=30", "sync_turns=true"] + (["lora_rank=4"] if weights == "lora" else [])
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     unit = timed(runner, "train", args + [f"out_dir={straight}"], straight, log_lines, 8)
     landed = kill_and_restart(runner, "train", args + [f"out_dir={killed}"], killed, log_lines, 8, unit)

@@ -16,12 +16,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rollout
 import train
-from data import write_jsonl
+from plumbing import rl_stage
+from plumbing import batches
+from plumbing.data import write_jsonl
 from grpo_roc import group_advantages
 from protocol import IM_END, chat_format
-from handoff import sequence_logprobs
+from plumbing.handoff import sequence_logprobs
 from one_process import one_process_work
-from sampler import Completion, TurnSampler
+from samplers.interface import Completion, TurnSampler
 from tiny.model import build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -43,9 +45,9 @@ def Trajectory(prompt_ids, response_ids):
 
 def response_logprobs(model, trajs, pad_id):
     """Sum of log pi over each rollout's sampled tokens: (n,)."""
-    batch = train.pad_batch(trajs, pad_id)
+    batch = batches.pad_batch(trajs, pad_id)
     with torch.no_grad():
-        logp = train.token_logprobs(model, batch, temperature=1.0)
+        logp = batches.token_logprobs(model, batch, temperature=1.0)
     return (logp * batch["loss_mask"]).sum(dim=1)
 
 
@@ -119,7 +121,7 @@ def expected_reward(model_dir, tok) -> float:
 
 
 def test_a_few_rl_steps_raise_the_reward(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tokenizer: DigitSampler(model, tokenizer))
+    monkeypatch.setattr(rl_stage, "make_sampler", lambda cfg, model, tokenizer: DigitSampler(model, tokenizer))
     write_jsonl(tmp_path / "seven.jsonl", [{"problem": "Say 7.", "answer": "7"}] * 4)
     out = tmp_path / "run"
     train.main(["configs/tiny/stage1.yaml", f"model_path={tiny / 'base'}", f"data=[{tmp_path / 'seven.jsonl'}]",

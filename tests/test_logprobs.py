@@ -1,16 +1,16 @@
-"""logprobs.py: the chunked log-probs of the sampled tokens equal the direct log-softmax (values and gradients), the
-logits are the only (tokens x vocabulary) tensor they keep, and train.token_logprobs uses them."""
+"""plumbing/logprobs.py: the chunked log-probs of the sampled tokens equal the direct log-softmax (values and gradients), the
+logits are the only (tokens x vocabulary) tensor they keep, and batches.token_logprobs uses them."""
 import pytest
 import torch
 
-import logprobs
-from logprobs import chunk_positions, sampled_logprobs
+from plumbing import logprobs
+from plumbing.logprobs import chunk_positions, sampled_logprobs
 
 pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
 
 
 def direct(logits, targets, temperature):
-    """The way train.token_logprobs computed it before: the full fp32 log-softmax, gathered."""
+    """The way batches.token_logprobs computed it before: the full fp32 log-softmax, gathered."""
     return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
@@ -53,14 +53,14 @@ def test_chunks_hold_at_most_chunk_elements_and_at_least_one_position():
 
 
 def test_token_logprobs_of_a_model_match_the_direct_way():
-    """train.token_logprobs on a real causal LM: the shift (position t scores token t+1) and the temperature."""
+    """batches.token_logprobs on a real causal LM: the shift (position t scores token t+1) and the temperature."""
     from tiny.model import build_model, build_tokenizer
-    import train
+    from plumbing import batches
     tok = build_tokenizer()
     model = build_model(tok, hidden=32, layers=1, heads=2)
     ids = torch.randint(len(tok), (2, 11), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    got = train.token_logprobs(model, batch, 0.8)
+    got = batches.token_logprobs(model, batch, 0.8)
     logits = model(input_ids=ids).logits[:, :-1]
     want = direct(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), 0.8).view(2, 10)
     assert got.shape == (2, 10)

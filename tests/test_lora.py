@@ -1,4 +1,4 @@
-"""LoRA (lora.py) in train.py and sft.py: the merge against PEFT's own, what trains and what stays frozen, the
+"""LoRA (plumbing/lora.py) in train.py and sft.py: the merge against PEFT's own, what trains and what stays frozen, the
 hand-off of merged layers, checkpoints of the adapter alone, a second stage that carries the adapter and its AdamW
 state, and the memory plan of a one-GPU LoRA config."""
 import json
@@ -9,10 +9,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import lora
+from plumbing import lora
 import sft
 import train
-from data import write_jsonl
+from plumbing import rl_stage
+from plumbing.data import write_jsonl
 from protocol import TOOL_NAME
 from scripted_policy import ScriptedSampler, say_problems
 from tiny.model import build_tiny
@@ -118,7 +119,7 @@ def args(tiny, out, *extra, model="base"):
 
 def scripted(monkeypatch, **kw):
     made = []
-    monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: made.append(
+    monkeypatch.setattr(rl_stage, "make_sampler", lambda cfg, model, tok: made.append(
         ScriptedSampler(model, tok, **kw)) or made[-1])
     return made
 

@@ -50,7 +50,7 @@ def test_memory_terms_by_hand():
 
 
 def test_the_logits_term_counts_one_chunk_of_logprobs_py():
-    import logprobs
+    from plumbing import logprobs
     from tools.memory_plan import LOGPROB_CHUNK_ELEMENTS, logprob_chunk_bytes
     assert LOGPROB_CHUNK_ELEMENTS == logprobs.CHUNK_ELEMENTS
     assert logprob_chunk_bytes(12_288, 151_936) == 2 * 4 * logprobs.chunk_positions(151_936) * 151_936  # 134 MB
@@ -184,7 +184,7 @@ def test_sft_of_qwen3_14b_on_8_gpus_by_hand():
 
 
 def test_sft_memory_lines_for_the_14b_config():
-    from config import load_config
+    from plumbing.config import load_config
     from sft import SFTConfig
     cfg = load_config(SFTConfig, ["configs/qwen3-14b/sft.yaml"])
     out = "\n".join(sft_memory_lines(cfg, 64, model_shape="qwen3-14b"))

@@ -1,5 +1,5 @@
-"""Packed micro-batches (train.pack_batch: rollouts end to end, positions restarting at each, no attention mask)
-give the padded micro-batch's log-probs (train.pad_batch) within float tolerance, on the tiny model and on a Qwen3 of
+"""Packed micro-batches (batches.pack_batch: rollouts end to end, positions restarting at each, no attention mask)
+give the padded micro-batch's log-probs (batches.pad_batch) within float tolerance, on the tiny model and on a Qwen3 of
 the real vocabulary, in fp32 and bf16, under sdpa and eager attention, in rows capped at the longest rollout and
 in one row; and an update on packed micro-batches gives the padded one's weights.
 
@@ -13,8 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import train
+from plumbing import batches
 from one_process import one_process_work
-from schedule import FILLER_TOKENS, MicroBatch, TrainRow, fit_rows
+from plumbing.update_plan import FILLER_TOKENS, MicroBatch, TrainRow, fit_rows
 from test_train import kept_batch, tiny, updated_weights  # noqa: F401 (tiny: the module's model fixture)
 from tiny.model import build_model, build_tokenizer
 from tools.qwen_vocab import SHAPES
@@ -54,18 +55,18 @@ def test_packed_log_probs_equal_the_padded_ones(name, attention, dtype):
     with torch.no_grad():
         for name, layout in layouts.items():
             micro = MicroBatch([[batch[i] for i in row] for row in layout.rows], layout.width)
-            padded_batch = train.pad_batch(micro.items(), pad_id=0)  # the same rollouts in the packed order
+            padded_batch = batches.pad_batch(micro.items(), pad_id=0)  # the same rollouts in the packed order
             mask = padded_batch["loss_mask"].bool()
-            padded = train.token_logprobs(model, padded_batch, 1.0)
-            packed_batch = train.pack_batch(micro, 0)
+            padded = batches.token_logprobs(model, padded_batch, 1.0)
+            packed_batch = batches.pack_batch(micro, 0)
             assert packed_batch["input_ids"].numel() < padded_batch["input_ids"].numel()  # less padding forwarded
-            packed = train.token_logprobs(model, packed_batch, 1.0)
+            packed = batches.token_logprobs(model, packed_batch, 1.0)
             assert packed.shape == padded.shape
             assert (packed - padded).abs()[mask].max() <= TOL[dtype], name
         # the control: the same rows with positions that run on across sequences attend to their neighbours
         packed_batch["position_ids"] = torch.arange(packed_batch["input_ids"].shape[1]).expand_as(
             packed_batch["position_ids"])
-        assert (train.token_logprobs(model, packed_batch, 1.0) - padded).abs()[mask].max() > 10 * TOL[dtype]
+        assert (batches.token_logprobs(model, packed_batch, 1.0) - padded).abs()[mask].max() > 10 * TOL[dtype]
 
 
 @pytest.mark.spec

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from accel import Peers, check_same_names
+from plumbing.accel import Peers, check_same_names
 
 pytestmark = pytest.mark.spec
 

@@ -1,5 +1,5 @@
 """Every entry point ends the process group it starts, on every way out: a group left alive at exit lets gloo's and
-NCCL's worker threads abort the interpreter's shutdown one time in a few (accel.py, point 4). Each case runs on 2
+NCCL's worker threads abort the interpreter's shutdown one time in a few (plumbing/accel.py, point 4). Each case runs on 2
 processes under torchrun and reads, from the last moment of each process, whether a group was still alive."""
 import json
 import os
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-import accel
-from data import write_jsonl
+from plumbing import accel
+from plumbing.data import write_jsonl
 from scripted_policy import say_problems
 from tiny.model import build_tiny
 

@@ -10,8 +10,9 @@ import pytest
 import eval as ev
 import sft
 import train
+from plumbing import train_config
 from code_tool import ToolResult
-from config import load_config
+from plumbing.config import load_config
 from protocol import (CHAT_FIELDS, DEFAULT_SYSTEM_PROMPT, PUBLIC_TOOL_NAME, RESULT_FORMATS, TOOL_NAME, ChatFormat,
                       chat_format, chat_format_of, format_tool_call, parse_tool_call)
 
@@ -174,7 +175,7 @@ def test_every_entry_point_has_the_chat_fields_with_the_same_defaults():
 
 
 def test_the_chat_fields_are_part_of_the_resume_identity():
-    for fields in (train.RESUME_FREE, sft.RESUME_FREE, ev.CONTINUE_FREE):
+    for fields in (train_config.RESUME_FREE, sft.RESUME_FREE, ev.CONTINUE_FREE):
         assert not set(CHAT_FIELDS) & set(fields)
     identity = json.dumps(dataclasses.asdict(load_config(train.TrainConfig, [PUBLIC])))
     assert '"tool_name": "python_code_with_standard_io"' in identity and '"newline_after_turn": false' in identity

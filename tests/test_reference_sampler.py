@@ -1,4 +1,4 @@
-"""samplers/reference.py: the sampler contract of sampler.py, checked on the tiny model (stops and budgets, log-probs
+"""samplers/reference.py: the sampler contract of samplers/interface.py, checked on the tiny model (stops and budgets, log-probs
 after temperature against a forward pass, greedy decoding equal to HFSampler's, score and update_weights, a rollout
 end to end, and eval.py's `sampler=reference`)."""
 import math

@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from tools import convert_data  # noqa: E402
 import rehearsal  # noqa: E402
-from data import load_conversations, load_problems  # noqa: E402
+from plumbing.data import load_conversations, load_problems  # noqa: E402
 from tools.memory_plan import GB, Shape, memory_per_gpu  # noqa: E402
 from protocol import chat_format, encode, tool_response_turn  # noqa: E402
 from sft import IGNORE, build_labels  # noqa: E402
@@ -191,7 +191,7 @@ def test_a_bf16_sampler_passes_the_hand_off_and_a_stale_one_is_stopped(recipe):
     """The SFT model in a bf16 sampler against the trainer's fp32 masters computing under bf16 autocast (what
     mixed_precision=bf16 does): within the tolerance of the coarser side; after one AdamW step at the report's lr
     (1e-6) the sampler that missed it is stopped by the check's second rule, the one that got it passes."""
-    from handoff import check_handoff, handoff_tolerance, sequence_logprobs
+    from plumbing.handoff import check_handoff, handoff_tolerance, sequence_logprobs
     path = recipe / "sft" / "model"
     tok, fmt = AutoTokenizer.from_pretrained(path), chat_format("default")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

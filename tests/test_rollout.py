@@ -13,10 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from samplers.hf import HFSampler
 from protocol import IM_END, TOOL_NAME, chat_format, format_tool_call, parse_tool_call, tool_response_turn
 from rollout import PARSE_ERROR, Trajectory, means, rollout, rollout_sums
-from sampler import Completion, TurnSampler
+from samplers.interface import Completion, TurnSampler
 from tiny.model import build_tiny, build_tokenizer
-
-pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
 
 FMT = chat_format("compact")
 TOK = build_tokenizer()
@@ -27,6 +25,7 @@ ANSWER_TURN = "</reason>\n<answer>\\boxed{56211}</answer>"
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+spec = pytest.mark.spec  # the one-minute tier (make test-fast): every test here but the two with the real code tool
 
 
 # ------------------------------------------------------------------------------------------------ fakes
@@ -103,6 +102,7 @@ def mask_runs(traj: Trajectory, value: int) -> list[list[int]]:
 GOOD = '<tool_call>\n{"name": "%s", "arguments": {"code": "print(1)", "input": "5"}}\n</tool_call>' % TOOL_NAME
 
 
+@spec
 def test_parser_reads_a_good_call_and_the_first_of_two():
     call = parse_tool_call("think</reason>\n" + GOOD + GOOD.replace("print(1)", "print(2)"))
     assert (call.code, call.stdin, call.error) == ("print(1)", "5", None)
@@ -127,12 +127,14 @@ def test_parser_reads_a_good_call_and_the_first_of_two():
     ('[' * 100_000 + ']' * 100_000, "invalid JSON"),                                           # deeply nested
     ('{"name": "%s", "arguments": "not json"}' % TOOL_NAME, "arguments"),                      # args: bad string
 ])
+@spec
 def test_parser_turns_bad_calls_into_errors(body, words):
     call = parse_tool_call(f"x</reason>\n<tool_call>\n{body}\n</tool_call>")
     assert call is not None and call.error is not None and words in call.error
     assert len(call.error) < 300  # the error text the model sees stays short
 
 
+@spec
 def test_parser_missing_close_tag_and_huge_call():
     assert "missing </tool_call>" in parse_tool_call('<tool_call>{"name": "x"').error
     huge = format_tool_call("print(1)#" + "x" * 1_000_000)
@@ -140,6 +142,7 @@ def test_parser_missing_close_tag_and_huge_call():
 
 
 # ------------------------------------------------------------------------------------------------ token bookkeeping
+@spec
 def test_scripted_multi_turn_rollout_matches_the_rendered_conversation_and_masks():
     (traj,), sampler = run({"Compute 123*457.": [CALL_TURN, ANSWER_TURN]})
     # The same conversation rendered by the protocol (SFT's view) ...
@@ -172,6 +175,7 @@ def test_scripted_multi_turn_rollout_matches_the_rendered_conversation_and_masks
     assert record["num_tool_calls"] == 1 and record["text"] == traj.text and record["tool_calls"][0]["status"] == "ok"
 
 
+@spec
 def test_failed_calls_are_counted_and_parse_errors_never_reach_the_tool():
     bad = "Try.</reason>\n<tool_call>\n{not json}\n</tool_call>"
     slow = "Loop.</reason>\n" + format_tool_call("while True: pass")
@@ -184,6 +188,7 @@ def test_failed_calls_are_counted_and_parse_errors_never_reach_the_tool():
 
 
 # ------------------------------------------------------------------------------------------------ limits
+@spec
 def test_max_turns_ends_without_running_the_last_call():
     tool = FakeTool()
     (traj,), _ = run({"P": [CALL_TURN]}, tool, max_turns=3)  # the script calls the tool forever
@@ -192,12 +197,14 @@ def test_max_turns_ends_without_running_the_last_call():
     assert traj.response_ids[-1] == IM_END_ID  # ends on the policy's own turn, no tool text after it
 
 
+@spec
 def test_budget_cut_inside_a_turn():
     (traj,), sampler = run({"P": [CALL_TURN, ANSWER_TURN]}, max_response_tokens=20)
     assert traj.end_reason == "length" and len(traj.response_ids) == 20 and sum(traj.loss_mask) == 20
     assert traj.num_tool_calls == 0  # the cut turn's call (if any) is never parsed or run
 
 
+@spec
 def test_budget_that_cannot_hold_the_tool_response_appends_nothing():
     turn_len = len(TOK.encode(CALL_TURN, add_special_tokens=False)) + 1
     (traj,), _ = run({"P": [CALL_TURN, ANSWER_TURN]}, max_response_tokens=turn_len + 10)
@@ -211,6 +218,7 @@ def test_budget_that_cannot_hold_the_tool_response_appends_nothing():
 
 
 # ------------------------------------------------------------------------------------------------ batching
+@spec
 @pytest.mark.parametrize("sync_turns", [False, True])
 def test_batch_keeps_order_and_finished_rollouts_drop_out(sync_turns):
     scripts = {"Q0": [ANSWER_TURN], "Q1": [CALL_TURN, CALL_TURN, ANSWER_TURN], "Q2": [CALL_TURN, ANSWER_TURN],
@@ -253,6 +261,7 @@ class OneTokenPerStep:
         return out
 
 
+@spec
 @pytest.mark.parametrize("sync_turns", [False, True])
 def test_a_rollout_back_from_the_tool_rejoins_while_others_generate(sync_turns):
     """Q0 calls the tool in a short first turn; Q1 writes one long turn. Continuous: Q0's second turn is added the
@@ -272,6 +281,7 @@ def test_a_rollout_back_from_the_tool_rejoins_while_others_generate(sync_turns):
         assert when["finish", "Q0"] == first_turn + len(TOK.encode(ANSWER_TURN, add_special_tokens=False)) + 1
 
 
+@spec
 def test_no_logprobs_from_the_sampler_gives_none():
     class NoLogprobs(ScriptedSampler):
         def generate(self, *a, **k):
@@ -326,6 +336,7 @@ class SlowTool(FakeTool):
         return future
 
 
+@spec
 def test_sync_turns_make_the_schedule_independent_of_tool_timing():
     """With sync_turns=True, which requests are added at which step is the same whatever the tool's delays, so a
     seeded sampler sees the same batches; the rollouts are the same too."""

@@ -1,4 +1,4 @@
-"""sampler.py, samplers/hf.py and samplers/vllm_engine.py: HFSampler on the tiny model (stops, log-probs, budgets,
+"""samplers/interface.py, samplers/hf.py and samplers/vllm_engine.py: HFSampler on the tiny model (stops, log-probs, budgets,
 weights), the weight hand-off check, and VLLMSampler against a fake engine shaped like vLLM's for what vLLM's CPU
 build cannot show (sleep mode, refusals). The real engine: tests/test_vllm_engine.py."""
 import ast
@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from samplers.hf import PREFILL_FORWARD_COST, HFSampler, prefill_groups
 from protocol import IM_END
-from handoff import HANDOFF_TOLERANCE, check_handoff, sequence_logprobs
+from plumbing.handoff import HANDOFF_TOLERANCE, check_handoff, sequence_logprobs
 from samplers.vllm_engine import QuietRotaryReload, VLLMSampler
 from tiny.model import build_tiny
 
@@ -567,7 +567,7 @@ def test_vllm_sampler_add_and_step_go_to_the_engine(fake_vllm):
     assert llm.log[-1] == ("sleep", 2)
 
 
-@pytest.mark.parametrize("module", ["sampler.py", "samplers/vllm_engine.py"])
+@pytest.mark.parametrize("module", ["samplers/interface.py", "samplers/vllm_engine.py"])
 def test_sampler_modules_do_not_import_vllm_at_load(module):
     """vLLM is imported only inside VLLMSampler's methods, so CPU users never need it."""
     tree = ast.parse((ROOT / module).read_text())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data import write_jsonl
+from plumbing.data import write_jsonl
 from scripted_policy import say_problems
 from tiny.model import build_tiny
 
@@ -72,7 +72,7 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(tiny, tmp_path):
 
 
 def test_a_kill_during_the_checkpoint_write_leaves_the_previous_one_loadable(tiny, tmp_path):
-    from checkpoint import latest_checkpoint
+    from plumbing.checkpoint import latest_checkpoint
     out = tmp_path / "run"
     subprocess.run([sys.executable, str(SCRIPT)] + train_args(tiny, out, 2), check=True, env=ENV, cwd=ROOT,
                    capture_output=True)

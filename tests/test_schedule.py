@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rollout import rollout
-from schedule import (FILLER_TOKENS, MicroBatch, lockstep_metrics, plan_update, static_claims, step_claims,
-                      store_claims, wait_fraction)
+from schedule import static_claims, step_claims, store_claims, wait_fraction
+from plumbing.update_plan import FILLER_TOKENS, MicroBatch, lockstep_metrics, plan_update
 from test_rollout import ANSWER_TURN, FMT, TOK, FakeTool, ScriptedSampler
 
 pytestmark = pytest.mark.spec
@@ -229,7 +229,7 @@ def test_the_step_line_shows_the_wait_only_when_it_is_large():
 
 
 def test_one_process_claims_the_whole_step_at_once_under_either_schedule():
-    from accel import Peers
+    from plumbing.accel import Peers
     one = Peers(600, "test")  # no process group: rank 0 of 1, no store
     prompts = ["a", "b", "c"]
     for schedule, claim_size in (("balanced", 1), ("balanced", 2), ("static", 1)):

@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from config import load_config
+from plumbing.config import load_config
 from protocol import IM_END, TOOL_NAME, chat_format, format_tool_call
 from sft import (IGNORE, LengthGroupedBatches, SFTConfig, build_examples, build_labels, collate, lr_factor,
                  masked_lm_loss, pack, train)
@@ -175,7 +175,7 @@ def tiny(tmp_path_factory):
 
 def _data_loss(model_dir, data):
     """Mean masked loss of a saved model over the conversations in `data` (one batch)."""
-    from data import load_conversations
+    from plumbing.data import load_conversations
     tok, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
     chat = chat_format("compact", "")
     examples, _ = build_examples(tok, load_conversations(data), chat, 10_000)

@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data import load_conversations
+from plumbing.data import load_conversations
 from protocol import TOOL_NAME, chat_format
 from sft import IGNORE, build_examples
 from tiny.model import build_tiny

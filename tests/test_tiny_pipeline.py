@@ -183,8 +183,8 @@ def test_the_lora_pipeline_carries_stage_1_s_adapter_into_stage_2_and_starts_sta
     # stage 3: stage 2's merged model, a fresh adapter and optimizer
     assert f"model_path={tmp_path / 'stage2' / 'model'}" in seen["stage3"]
     assert not any(a.startswith(("lora_from=", "optimizer_from=")) for a in seen["stage3"])
-    from config import parse_cli
-    from train_config import TrainConfig
+    from plumbing.config import parse_cli
+    from plumbing.train_config import TrainConfig
     for s, lr in ((1, 2e-3), (2, 1e-3), (3, 1e-3)):  # each resolves to its full-fine-tuning stage, with LoRA
         lora, full = (parse_cli(TrainConfig, [f"configs/tiny/{p}stage{s}.yaml"]) for p in ("lora_", ""))
         assert (lora.lora_rank, full.lora_rank, lora.lr, lora.steps) == (16, 0, lr, full.steps)

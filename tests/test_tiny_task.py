@@ -6,7 +6,7 @@ import re
 import pytest
 
 from code_tool import CodeTool
-from data import load_conversations, load_problems
+from plumbing.data import load_conversations, load_problems
 from protocol import chat_format
 from tiny.task import buggy_code, draw_problem, main, near_miss, trace_kinds, write_task
 

@@ -7,7 +7,7 @@ from code_tool import ToolResult
 from protocol import (IM_END, IM_START, POLICY_TAGS, TOOL_NAME, ToolCall, chat_format, control_tokens, encode,
                       tool_response_turn)
 from rollout import Trajectory, append_tool_response, rollout
-from sampler import Completion, TurnSampler
+from samplers.interface import Completion, TurnSampler
 from sft import IGNORE, build_labels
 from tiny.model import build_tokenizer
 
@@ -127,7 +127,7 @@ def test_without_control_strings_the_ids_are_tokenizer_encode_s(tok):
 def test_the_tiny_task_s_data_encodes_as_before(tmp_path):
     """The tiny task's SFT conversations hold no control string in their text: every segment's ids are
     tokenizer.encode's, so the tiny pipeline trains on the same tokens (and its results stand)."""
-    from data import load_conversations
+    from plumbing.data import load_conversations
     from tiny.task import write_task
     tok, fmt = build_tokenizer(), chat_format("compact", "")
     paths = write_task(tmp_path, n_train=2, n_test=2, n_sft=60, workers=1)

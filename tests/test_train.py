@@ -10,9 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
+from plumbing import rl_stage
+from plumbing import batches
 from tools import report
 from grpo_roc import select_step
-from data import write_jsonl
+from plumbing.data import write_jsonl
 from protocol import chat_format
 from rollout import rollout
 from one_process import one_process_work
@@ -48,7 +50,7 @@ def test_prompt_indices_visit_every_problem_once_per_epoch_across_steps():
 def test_pad_batch_mask_sits_on_the_targets_the_policy_sampled():
     class T:
         prompt_ids, response_ids, loss_mask = [5, 6, 7], [8, 9, 10, 11], [1, 1, 0, 1]
-    batch = train.pad_batch([T()], pad_id=0)
+    batch = batches.pad_batch([T()], pad_id=0)
     targets = batch["input_ids"][0, 1:]
     assert batch["loss_mask"][0].tolist() == [0, 0, 1, 1, 0, 1]
     assert targets[batch["loss_mask"][0].bool()].tolist() == [8, 9, 11]
@@ -65,13 +67,13 @@ def test_sampler_logprobs_sit_where_the_mask_is():
         prompt_ids, response_ids, loss_mask, logprobs = [5, 6, 7], [8, 9, 10, 11], [1, 1, 0, 1], [-.1, -.2, 0.0, -.4]
     class U:
         prompt_ids, response_ids, loss_mask, logprobs = [5], [8], [1], [-.5]
-    batch = train.pad_batch([T(), U()], pad_id=0)
-    logp = train.sampler_logprobs([T(), U()], batch["loss_mask"].shape[1])
+    batch = batches.pad_batch([T(), U()], pad_id=0)
+    logp = batches.sampler_logprobs([T(), U()], batch["loss_mask"].shape[1])
     # row 1: targets 6 7 | 8 9 10 11 -> the sampler's numbers on 8, 9 and 11 (10 is tool text); row 2: padded
     assert torch.allclose(logp, torch.tensor([[0, 0, -.1, -.2, 0, -.4], [-.5, 0, 0, 0, 0, 0]]))
     assert torch.equal(logp != 0, batch["loss_mask"].bool())
     U.logprobs = None
-    assert train.sampler_logprobs([T(), U()], 6) is None
+    assert batches.sampler_logprobs([T(), U()], 6) is None
 
 
 def kept_batch(tiny, logprob_shift=None):
@@ -232,7 +234,7 @@ def test_update_micro_batches_hold_sequences_of_similar_length(tiny, monkeypatch
 
 def test_train_entry_point_learns_on_scripted_rollouts(tiny, tmp_path, monkeypatch):
     made = []
-    monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: made.append(
+    monkeypatch.setattr(rl_stage, "make_sampler", lambda cfg, model, tok: made.append(
         ScriptedSampler(model, tok, logprob_shift=0.0)) or made[-1])  # the trainer's own numbers: no gap
     out = tmp_path / "run"
     train.main(args(tiny, out))
@@ -269,7 +271,7 @@ def test_a_sampler_left_with_old_weights_stops_the_run_after_the_first_step(tiny
     """The scripted sampler keeps its own copy of the model; one that skips the updates is caught by the hand-off
     check (log-probs of a fixed sequence) right after step 1's update, with one line; step 1 is neither logged nor
     saved (its rollouts came from the right weights, its update never reached the sampler)."""
-    monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: ScriptedSampler(model, tok, skip_updates=True))
+    monkeypatch.setattr(rl_stage, "make_sampler", lambda cfg, model, tok: ScriptedSampler(model, tok, skip_updates=True))
     out = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"^hand-off error after step 1: the sampler's log-probs differ from the "
                                          r"trainer's by [0-9.e-]+ per token \(tolerance 0.001\)$"):
@@ -285,15 +287,15 @@ def test_answer_checkers_start_before_the_first_rollout(tiny, tmp_path, monkeypa
     class Pool:
         def start(self):
             events.append("checkers started")
-    monkeypatch.setattr(train, "default_pool", lambda: Pool())
+    monkeypatch.setattr(rl_stage, "default_pool", lambda: Pool())
     monkeypatch.setattr(train, "rollout", lambda *a, **kw: events.append("rollout") or real_rollout(*a, **kw))
-    monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: ScriptedSampler(model, tok))
+    monkeypatch.setattr(rl_stage, "make_sampler", lambda cfg, model, tok: ScriptedSampler(model, tok))
     train.main(args(tiny, tmp_path / "run", "steps=1"))
     assert events[:2] == ["checkers started", "rollout"]
 
 
 def test_run_folder_is_resumed_or_refused_never_restarted(tiny, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: ScriptedSampler(model, tok))
+    monkeypatch.setattr(rl_stage, "make_sampler", lambda cfg, model, tok: ScriptedSampler(model, tok))
     out = tmp_path / "run"
     train.main(args(tiny, out, "steps=1"))
     with pytest.raises(SystemExit, match="already holds a run"):
@@ -352,7 +354,7 @@ def test_dry_run_prints_the_plan_for_64_gpus_without_a_model(capsys):
 
 # ------------------------------------------------------------------------------------------ runs never lose data
 def scripted(monkeypatch):
-    monkeypatch.setattr(train, "make_sampler", lambda cfg, model, tok: ScriptedSampler(model, tok))
+    monkeypatch.setattr(rl_stage, "make_sampler", lambda cfg, model, tok: ScriptedSampler(model, tok))
 
 
 def log_steps(out):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from data import write_jsonl
+from plumbing.data import write_jsonl
 from scripted_policy import say_problems
 from tiny.model import build_tiny
 
@@ -144,6 +144,28 @@ def test_invariance_of_rl_training_to_the_number_of_processes(data, one, kind, w
     assert lrs == pytest.approx([1e-4, 4e-4, 7e-4])
     for stage in ("stage1", "stage2"):
         assert_same_run(one / stage, other / stage, world)
+
+
+LORA = ["lora_rank=4", "lr=1e-2"]
+
+
+@pytest.fixture(scope="module")
+def one_lora(data):
+    out = data / "lora1"
+    train("ddp", 1, stage_args(data, out, data / "base", 3, LORA))
+    return out
+
+
+@pytest.mark.parametrize("kind,world", [("ddp", 2), ("fsdp", 2)])
+def test_invariance_of_a_lora_stage_to_the_number_of_processes(data, one_lora, kind, world):
+    """A LoRA stage (plumbing/lora.py) under DDP and FSDP2: the rollouts, kept rollouts, metrics, merged model/ and
+    adapter of one process; the hand-off of merged layers checked every step on every rank."""
+    other = data / f"lora_{kind}{world}"
+    train(kind, world, stage_args(data, other, data / "base", 3, LORA))
+    assert_same_run(one_lora, other, world)
+    from safetensors.torch import load_file
+    a, b = (load_file(out / "adapter" / "adapter_model.safetensors") for out in (one_lora, other))
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= WEIGHT_TOL
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -31,16 +31,18 @@ except ImportError as e:
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-import lora  # noqa: E402
+from plumbing import lora  # noqa: E402
 import train  # noqa: E402
+from plumbing import rl_stage  # noqa: E402
+from plumbing import batches  # noqa: E402
 from code_tool import CodeTool  # noqa: E402
-from data import write_jsonl  # noqa: E402
+from plumbing.data import write_jsonl  # noqa: E402
 from grpo_roc import policy_loss  # noqa: E402
 from mismatch import (mismatch_sums, sequence_log_ratios, sequence_mask_weights, sequence_mismatch,  # noqa: E402
                       truncated_is_weights)
 from protocol import IM_END, TOOL_NAME, chat_format  # noqa: E402
 from rollout import rollout  # noqa: E402
-from handoff import HANDOFF_TOLERANCE, check_handoff, sequence_logprobs  # noqa: E402
+from plumbing.handoff import HANDOFF_TOLERANCE, check_handoff, sequence_logprobs  # noqa: E402
 from samplers.vllm_engine import VLLMSampler  # noqa: E402
 from sft import build_labels, collate, masked_lm_loss  # noqa: E402
 from tiny.model import build_tiny  # noqa: E402
@@ -243,7 +245,7 @@ def test_a_tied_output_layer_arrives_under_its_own_name_and_loads_without_a_fail
     duplicate), vLLM's layer-wise reload finds nothing for its output layer and logs a failed load on every
     hand-off; handoff.gathered_weights sends it under both names, and the engine holds the new weights. The rotary
     cache's own warning (no checkpoint has it) is filtered (vllm_engine.QuietRotaryReload)."""
-    import handoff
+    from plumbing import handoff
     path, tok = tiny
     probe = prompts(tok, 1)[0]
     new = stepped(path, lr=1e-2)
@@ -379,9 +381,9 @@ def test_train_py_with_lora_hands_each_update_to_the_engine_as_merged_layers(tin
 # significant bits, u = 2^-8 = 3.9e-3; fp32 24, u = 6e-8) move a token's log-prob by e_t - sum_j p_j e_j, which
 # vanishes as p_t -> 1: a token the policy is sure of barely moves. So the prediction is per unit of probability the
 # token leaves to the others: sum_t |log pi_old - log pi_sampler| / sum_t (1 - p_t) lies within [u / 4, 16 u]
-# (sampler.py's hand-off probe, mostly unlikely tokens, gives 3.6 u for bf16 on this model).
+# (samplers/interface.py's hand-off probe, mostly unlikely tokens, gives 3.6 u for bf16 on this model).
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
-FP32_GAP = 1e-5  # an fp32 engine's mean gap at most (sampler.py measured 8.5e-7): ~0
+FP32_GAP = 1e-5  # an fp32 engine's mean gap at most (samplers/interface.py measured 8.5e-7): ~0
 
 
 @pytest.fixture(scope="module")
@@ -399,11 +401,11 @@ def engine_gap(engine, tiny):
     with CodeTool(workers=1) as tool:
         trajs = rollout([f"Compute {a}*{a + 23}." for a in range(11, 19)] * 2, engine, tool, tok, FMT,
                         max_response_tokens=200, max_turns=3, temperature=1.0)
-    batch = train.pad_batch(trajs, tok.pad_token_id)
+    batch = batches.pad_batch(trajs, tok.pad_token_id)
     with torch.no_grad():
-        trainer = train.token_logprobs(AutoModelForCausalLM.from_pretrained(path), batch, 1.0)
+        trainer = batches.token_logprobs(AutoModelForCausalLM.from_pretrained(path), batch, 1.0)
     adv = torch.linspace(-1.0, 1.0, len(trajs))
-    return adv, trainer, train.sampler_logprobs(trajs, batch["loss_mask"].shape[1]), batch["loss_mask"]
+    return adv, trainer, batches.sampler_logprobs(trajs, batch["loss_mask"].shape[1]), batch["loss_mask"]
 
 
 def test_the_gap_is_the_engines_rounding_none_in_fp32_some_in_bf16(engine, bf16_engine, tiny):
@@ -510,14 +512,14 @@ import train
 state = PartialState(cpu=True)  # gloo, as train.py's Accelerator(cpu=True) sets it up
 cfg = train.TrainConfig(model_path={str(model)!r}, seed=3, sampler="vllm", vllm_dtype="float32",
                         vllm_enforce_eager=True)
-sampler = train.make_sampler(cfg, None, AutoTokenizer.from_pretrained(cfg.model_path))
+sampler = rl_stage.make_sampler(cfg, None, AutoTokenizer.from_pretrained(cfg.model_path))
 worker = sampler.llm.collective_rpc(lambda self: (self.local_rank, self.rank, str(self.device)))[0]
 config = sampler.llm.llm_engine.vllm_config
 tokens = sampler.generate([[5, 6, 7]], [16], temperature=1.0)[0].token_ids
 json.dump({{"seed": config.model_config.seed, "backend": config.parallel_config.distributed_executor_backend,
            "worker": worker, "tokens": tokens}}, open({str(tmp_path)!r} + f"/rank{{state.process_index}}.json", "w"))
 sampler.close()
-state.destroy_process_group()  # a group left alive at exit can abort the interpreter's shutdown (accel.py)
+state.destroy_process_group()  # a group left alive at exit can abort the interpreter's shutdown (plumbing/accel.py)
 """)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"]
     done = subprocess.run(torchrun + [str(script)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)

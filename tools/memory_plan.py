@@ -22,8 +22,8 @@ what train.py does:
 - logits: what the model's forward returns, (T, V), kept to the end of the backward: under FSDP2 the bf16 logits
   of its bf16 parameters (MixedPrecisionPolicy), 2 B per token and vocabulary entry; without FSDP Accelerate's
   autocast returns them converted to fp32, and the bf16 original and the fp32 copy are both alive while the copy is
-  made and again while the gradient is cast back: 6 B. train.token_logprobs keeps nothing else of that size:
-  logprobs.py computes the sampled tokens' log-probs a chunk of positions at a time and writes the gradient into the
+  made and again while the gradient is cast back: 6 B. batches.token_logprobs keeps nothing else of that size:
+  plumbing/logprobs.py computes the sampled tokens' log-probs a chunk of positions at a time and writes the gradient into the
   logits themselves, plus two fp32 chunk temporaries (`logprob_chunk_bytes`, at most 134 MB whatever T);
   bench/logprob_memory.py measures each case against the direct log-softmax (14 B under FSDP2);
 - the process itself, outside any of the above: the CUDA context and library workspaces (PROCESS_GB), and with more
@@ -138,7 +138,7 @@ class Shape:
         return self.layers * self.layer_params + self.embedding_params + self.hidden  # + the final norm
 
     def lora_params(self, rank: int, targets) -> int:
-        """A LoRA adapter's parameters (lora.py): r x (in + out) for each adapted linear layer of every decoder
+        """A LoRA adapter's parameters (plumbing/lora.py): r x (in + out) for each adapted linear layer of every decoder
         layer; `targets` names them as the model does (q_proj, ..., down_proj)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         sizes = {"q_proj": (self.hidden, q), "k_proj": (self.hidden, kv), "v_proj": (self.hidden, kv),
@@ -214,7 +214,7 @@ def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, se
 
 
 def logprob_chunk_bytes(tokens: int, vocab: int) -> int:
-    """logprobs.py's two fp32 temporaries (the scaled logits and their log-softmax) of one chunk of positions."""
+    """plumbing/logprobs.py's two fp32 temporaries (the scaled logits and their log-softmax) of one chunk of positions."""
     rows = max(1, LOGPROB_CHUNK_ELEMENTS // vocab)
     return 2 * 4 * min(tokens, rows) * vocab
 
@@ -331,7 +331,7 @@ def memory_lines(cfg, world: int) -> list[str]:
     return [
         f"model                  {name}: {shape.params / 1e9:.2f}B parameters, {shape.layers} layers, hidden "
         f"{shape.hidden}, vocab {shape.vocab:,}",
-        f"memory per GPU (GB)    an estimate (tools/memory_plan.py): "
+        "memory per GPU (GB)    an estimate (tools/memory_plan.py): "
         + (f"FSDP over {shard} GPUs, " if cfg.fsdp else "no FSDP (one process or DDP), ")
         + (f"LoRA rank {cfg.lora_rank}: {adapter / 1e6:,.1f}M trained parameters with fp32 masters "
            f"({adapter / shape.params:.2%}), the rest frozen in bf16, " if adapter else "fp32 master weights, ")

@@ -40,7 +40,7 @@ import json
 import sys
 from pathlib import Path
 
-from data import _read_jsonl
+from plumbing.data import _read_jsonl
 from protocol import parse_tool_call
 
 # Keys of a trajectories.jsonl record (eval.trajectory_record) that the page reads.
@@ -84,7 +84,7 @@ def sample_flags(correct: bool, failed_calls: int, kept: bool | None = None) -> 
 
 
 def roc_view(rec: dict) -> dict | None:
-    """What the update made of a training rollout (train.save_rollouts): kept by RoC with its advantage and
+    """What the update made of a training rollout (rl_stage.save_rollouts): kept by RoC with its advantage and
     mini-batch, or why not; None for an evaluation's rollout."""
     if "kept" not in rec:
         return None

@@ -225,6 +225,12 @@ def all_sum(accelerator, values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def shared_sums(world: int, sums: dict) -> dict:
+    """{name: (sum, count)} that every rank computed alike from gathered numbers, scaled so that reduce_sums (which
+    adds every rank's) counts them once."""
+    return {k: (a / world, b / world) for k, (a, b) in sums.items()}
+
+
 def reduce_sums(accelerator, sums: dict) -> dict:
     """{name: (sum, count)} from every rank -> {name: global sum / global count} (NaN where the count is 0). The
     sums are matched by position, so the names are checked first to be the same, in the same order, on every rank

@@ -1,12 +1,17 @@
 """The configuration of one RL stage (train.py): every field with its report symbol and default, the allowed values
-of the numeric ones, the keys a resume may change freely, the input check that needs the tokenizer, and the
-dry run's plan. train.py holds the algorithm and `validate`, the checks that need its tables of options."""
+of the numeric ones, the keys a resume may change freely, the config checks made before any work (`validate`,
+against the algorithm's tables of options), the input check that needs the tokenizer, and the dry run's plan."""
 import math
 from dataclasses import dataclass, field
 
-import accel
-from lora import DEFAULT_TARGETS
-from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, encode
+from code_tool import ERROR_FORMATS
+from grpo_roc import LOSSES, ROC_SELECTORS
+from mismatch import CORRECTIONS
+from plumbing import accel, lora
+from plumbing.config import check_ranges
+from plumbing.lora import DEFAULT_TARGETS
+from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of, encode
+from schedule import SCHEDULES
 from tools.memory_plan import engine_lines, memory_lines
 
 USAGE = """One RL stage with GRPO-RoC.
@@ -87,7 +92,7 @@ class TrainConfig:
     adam_beta2: float = 0.999
     grad_clip: float = 1.0
     updates_per_step: int = 1             # optimizer steps (mini-batches) per RL step; >1 makes the clip matter
-    max_tokens_per_micro_batch: int = 0   # tokens per forward/backward, rollouts packed (schedule.py); 0: micro-
+    max_tokens_per_micro_batch: int = 0   # tokens per forward/backward, rollouts packed (update_plan.py); 0: micro-
                                           # batches of micro_batch_size rollouts, padded
     micro_batch_size: int = 4             # rollouts per forward/backward when max_tokens_per_micro_batch is 0
     optimizer_from: str | None = None     # a run or checkpoint folder whose AdamW state to start from; None: fresh
@@ -181,3 +186,47 @@ def plan_lines(cfg: TrainConfig, world: int) -> list[str]:
         f"sampler                {cfg.sampler}; data {cfg.data}; out {cfg.out_dir}",
     ]
     return lines + engine_lines(cfg, world) + memory_lines(cfg, world)
+
+
+def validate(cfg: TrainConfig, world: int) -> None:
+    """Config errors that need no files, raised before any work."""
+    problems = check_ranges(cfg, RANGES) + lora.check_config(cfg)
+    if cfg.roc_mode not in ROC_SELECTORS:
+        problems.append(f"roc_mode must be sample, lowest or off, got {cfg.roc_mode!r}")
+    if cfg.roc_mode == "off" and cfg.group_size != cfg.rollouts_per_prompt:
+        problems.append("roc_mode=off keeps every rollout: set group_size == rollouts_per_prompt")
+    if cfg.claim_size > cfg.rollouts_per_prompt:
+        problems.append(f"claim_size={cfg.claim_size} is more than a prompt's rollouts_per_prompt="
+                        f"{cfg.rollouts_per_prompt}")
+    if not 2 <= cfg.group_size <= cfg.rollouts_per_prompt:
+        problems.append(f"need 2 <= group_size <= rollouts_per_prompt, got {cfg.group_size}, {cfg.rollouts_per_prompt}")
+    if cfg.prompts_per_step % world:
+        problems.append(f"prompts_per_step={cfg.prompts_per_step} must divide over {world} processes")
+    size = 1 if cfg.max_tokens_per_micro_batch else max(cfg.micro_batch_size, 1)  # minibatch_of's unit
+    most = math.ceil(cfg.prompts_per_step * cfg.group_size / size)
+    if cfg.updates_per_step > most > 0:
+        # the last optimizer steps would never get a micro-batch (minibatch_of): updates with nothing to learn from
+        unit = "kept rollouts" if cfg.max_tokens_per_micro_batch else "micro-batch(es)"
+        problems.append(f"updates_per_step={cfg.updates_per_step} exceeds the {most} {unit} of a step "
+                        f"(prompts_per_step * group_size" + ("" if size == 1 else " / micro_batch_size") + ")")
+    if cfg.loss_agg not in LOSSES:
+        problems.append(f"loss_agg must be one of {sorted(LOSSES)}, got {cfg.loss_agg!r}")
+    if cfg.mismatch_correction not in CORRECTIONS:
+        problems.append(f"mismatch_correction must be one of {list(CORRECTIONS)}, got {cfg.mismatch_correction!r}")
+    if cfg.schedule not in SCHEDULES:
+        problems.append(f"schedule must be one of {list(SCHEDULES)}, got {cfg.schedule!r}")
+    if cfg.sampler not in ("hf", "vllm"):
+        problems.append(f"sampler must be hf or vllm, got {cfg.sampler!r}")
+    if cfg.vllm_tensor_parallel_size != 1:
+        problems.append(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size}: only 1 is supported (one "
+                        "engine per rank; tensor parallelism would need a rank group to submit the same requests)")
+    if cfg.tool_error_format not in ERROR_FORMATS:
+        problems.append(f"tool_error_format must be one of {ERROR_FORMATS}, got {cfg.tool_error_format!r}")
+    try:  # the chat format's fields (protocol.chat_format)
+        chat_format_of(cfg)
+    except ValueError as e:
+        problems.append(str(e))
+    if not cfg.data:
+        problems.append("data: give at least one JSONL file of problems")
+    if problems:
+        raise SystemExit("config error: " + "; ".join(problems))

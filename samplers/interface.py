@@ -20,10 +20,10 @@ while the others keep generating (the report's asynchronous tool dispatch, §3, 
   with top_p = 1, where the two agree. temperature = 0 means greedy decoding, with log-probs at temperature 1.
 - `update_weights(model)` loads the trainer's new policy weights (an nn.Module with HF parameter names, or an
   iterable of (name, tensor)), between rollouts; `partial=True`: the pairs are only the weights that changed (LoRA's
-  merged layers, lora.py), the others keep what the sampler holds.
+  merged layers, plumbing/lora.py), the others keep what the sampler holds.
 - `score(token_ids)` = log softmax(logits)[token] of tokens 1..T-1, temperature 1, computed the way the sampler
   generates (its weights, its dtype, its cached keys and values). After each update the trainer compares it with
-  its own forward pass (handoff.py): a sampler still generating from old weights is caught, not trained on.
+  its own forward pass (plumbing/handoff.py): a sampler still generating from old weights is caught, not trained on.
 
 Three implementations, in samplers/:
 - `ReferenceSampler` (samplers/reference.py): transformers' `model.generate`, one request at a time; the contract
@@ -35,8 +35,8 @@ Three implementations, in samplers/:
   sleep mode frees the memory for the update. Runs on vLLM's CPU build too. vLLM is imported only there.
 `TurnSampler` gives `add`/`step` to anything that has only `generate` (each step generates everything queued).
 
-Across ranks, schedule.py hands each engine a step's prompts as it frees up (the report's scheduler, §3.2, by whole
-prompts); the engine packs its own KV cache.
+Across ranks, schedule.py hands each engine a few of the step's rollouts at a time as it frees up (the report's
+scheduler, §3.2); the engine packs its own KV cache.
 """
 from dataclasses import dataclass
 from typing import Protocol

@@ -115,8 +115,8 @@ def save_model(accelerator, model, tokenizer, out, dtype) -> None:
     """`out` = save_pretrained of the whole model with its floating-point weights cast to `dtype` (config.json's
     `dtype` says so), and the tokenizer; every rank calls it (under FSDP the weights are gathered to the main
     process). With a LoRA adapter, `out` holds the merged model and `adapter/` beside it the adapter in PEFT's
-    format (lora.py). Written into `out.tmp` and renamed, so `out` is whole or absent."""
-    import lora
+    format (plumbing/lora.py). Written into `out.tmp` and renamed, so `out` is whole or absent."""
+    from plumbing import lora
     accelerator.wait_for_everyone()
     state = accelerator.get_state_dict(model)  # under FSDP: the full weights on the main process (all ranks join)
     if accelerator.is_main_process:

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-import accel
-import lora
-from checkpoint import input_dtype
-from data import load_pretrained
+from plumbing import accel
+from plumbing import lora
+from plumbing.checkpoint import input_dtype
+from plumbing.data import load_pretrained
 
 # Largest mean |log-prob gap| between a sampler and the trainer that still counts as "the same weights", by the
 # dtype a side computes in (`handoff_tolerance` takes the coarser side's). fp32: only the summation order differs.

@@ -1,0 +1,224 @@
+"""What one RL stage (train.py) needs around its steps, which a first read can skip: the set-up (accelerator, data,
+model with its optimizer and schedule, resume, sampler, code tool), the held-out evaluation during training, the
+ranks' rollout times, a step's rollouts written for reading, and the step's log line.
+
+`setup` runs in the order that stops on bad input before any expensive work, and returns the step to start from
+and `run`, a plain namespace of what a step needs (not a framework).
+"""
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from code_tool import CodeTool, SandboxError, announce, choose_sandbox
+from eval import trajectory_record
+from grpo_roc import penalty_total
+from plumbing import accel, cpu_threads, handoff, lora
+from plumbing.checkpoint import (atomic_write_text, begin_run, input_dtype, load_checkpoint, load_optimizer,
+                                 optimizer_file, resume_point, run_identity)
+from plumbing.config import format_config, save_config, tracker_config
+from plumbing.data import check_model_path, load_pretrained, load_problems
+from plumbing.train_config import RESUME_FREE, TrainConfig, check_inputs, validate
+from protocol import chat_format_of, encode
+from reward import check_many, default_pool, extract_answer
+from rollout import rollout, rollout_sums
+from samplers.hf import HFSampler
+from samplers.vllm_engine import VLLMSampler
+from schedule import wait_fraction
+
+
+def save_rollouts(acc, path: Path, step: int, problems: list[dict], slots: list[int], trajs: list, per_group: int,
+                  kept: dict) -> None:
+    """Every rollout of the step, from every rank, as eval.py's trajectory records (problem-major) with what the
+    update made of it: the step, its penalty counts' total, whether RoC kept it, its advantage and mini-batch.
+    Rank 0 writes the file whole (a resumed step writes it again)."""
+    mine = [{**trajectory_record(f"step {step}", problem, slot // per_group, slot % per_group, t), "step": step,
+             "penalty": penalty_total(t.num_tool_calls, t.num_failed_tool_calls, t.num_answer_blocks, t.num_turns),
+             "kept": slot in kept, "advantage": kept[slot][0] if slot in kept else None,
+             "minibatch": kept[slot][1] if slot in kept else None}
+            for problem, slot, t in zip(problems, slots, trajs)]
+    every = [r for rank in accel.all_gather(acc, mine) for r in rank]
+    records = sorted(every, key=lambda r: (r["problem_index"], r["sample"]))
+    if acc.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def held_out_eval(cfg: TrainConfig, run, step: int) -> dict:
+    """Accuracy and diagnostics on the held-out split (mean reward over eval_samples samples per problem)."""
+    acc = run.accelerator
+    problems = run.eval_problems[acc.process_index::acc.num_processes]
+    run.peers.start(f"held-out evaluation after step {step}")
+    trajs = rollout([p["problem"] for p in problems for _ in range(cfg.eval_samples)], run.sampler, run.tool,
+                    run.tokenizer, run.fmt, max_response_tokens=cfg.max_response_tokens, max_turns=cfg.max_turns,
+                    temperature=cfg.eval_temperature, top_p=1.0, sync_turns=cfg.sync_turns, more=run.peers.beating)
+    run.peers.wait("rollouts")
+    verdicts = check_many([extract_answer(t.text) for t in trajs],
+                          [problems[i // cfg.eval_samples]["answer"] for i in range(len(trajs))])
+    rewards = [float(v.correct) for v in verdicts]
+    stats = accel.reduce_sums(acc, rollout_sums(trajs, rewards))
+    return {"eval/accuracy": stats["reward_mean"], "eval/tool_error_rate_in_correct":
+            stats["tool_error_rate_in_correct"], "eval/response_tokens_mean": stats["response_tokens_mean"],
+            "eval/tool_calls_mean": stats["tool_calls_mean"], "eval/truncated_frac": stats["truncated_frac"]}
+
+
+def load_data(paths: list[str]) -> list[dict]:
+    try:
+        return [p for path in paths for p in load_problems(path)]
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"input error: {e}") from None
+
+
+def setup(cfg: TrainConfig):
+    """Everything before step 0, in the order that stops on bad input before any expensive work."""
+    from accelerate.utils import DistributedType, set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    acc = accel.make_accelerator(mixed_precision=cfg.mixed_precision, report_to=cfg.report_to, out_dir=cfg.out_dir,
+                                 timeout_s=cfg.process_group_timeout_s)  # trackers, timeout, FSDP2 policy
+    threads = cpu_threads.set_torch_threads(cfg.torch_threads)  # after Accelerate, which may set its own count
+    validate(cfg, acc.num_processes)
+    try:  # where and how model code runs (code_tool.py's sandbox modes)
+        sandbox = choose_sandbox(cfg.tool_backend, cfg.tool_require_isolation)
+    except SandboxError as e:
+        raise SystemExit(f"config error: {e}") from None
+    out = Path(cfg.out_dir)
+    problems = load_data(cfg.data)
+    eval_problems = load_data([cfg.eval_data]) if cfg.eval_data else []
+    if cfg.eval_limit:
+        eval_problems = eval_problems[:cfg.eval_limit]
+    try:
+        check_model_path(cfg.model_path)
+        tokenizer = load_pretrained(AutoTokenizer, cfg.model_path)
+    except ValueError as e:
+        raise SystemExit(f"input error: {e}") from None
+    fmt = chat_format_of(cfg)
+    check_inputs(cfg, tokenizer, fmt, problems + eval_problems)
+    identity = run_identity(cfg, cfg.data + ([cfg.eval_data] if cfg.eval_data else []))
+    start = resume_point(cfg, out, identity, RESUME_FREE)
+    if cfg.optimizer_from:
+        optimizer_file(cfg.optimizer_from)
+    acc.wait_for_everyone()  # every rank has read the folder before the main process changes it
+    if acc.is_main_process:
+        begin_run(out, start)
+        print(format_config(cfg))
+        print(f"{threads} torch thread(s)")
+        save_config(cfg, out / "config.yaml")
+        (out / "sandbox.txt").write_text(announce(sandbox) + "\n")
+        if cfg.report_to:
+            acc.init_trackers("rstar2", config=tracker_config(cfg))
+    set_seed(cfg.seed + acc.process_index)  # rollouts differ per rank; everything else is seeded explicitly
+    # fp32 master weights whatever the checkpoint's dtype: AdamW's steps at lr 1e-6 are far below bf16's
+    # resolution (they would round away); mixed_precision=bf16 computes in bf16. Under LoRA the model's own
+    # weights stay frozen in the checkpoint's dtype and only the adapter trains (plumbing/lora.py).
+    try:
+        model = load_pretrained(AutoModelForCausalLM, cfg.model_path,
+                                torch_dtype=lora.weights_dtype(cfg, input_dtype(cfg.model_path)))
+    except ValueError as e:
+        raise SystemExit(f"input error: {e}") from None
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model = lora.attach(model, cfg)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    # lr_t = lr * min(1, (t + 1) / warmup_steps) before optimizer step t: linear warm-up, then constant (report §4).
+    # Not given to acc.prepare: Accelerate would step it once per process at every optimizer step (a warm-up
+    # num_processes times too fast); registered, so checkpoints keep it all the same.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / max(cfg.warmup_steps, 1)))
+    acc.register_for_checkpointing(scheduler)
+    if acc.distributed_type == DistributedType.FSDP and not acc.is_fsdp2:
+        raise SystemExit("config error: train.py shards with FSDP2: set fsdp_version: 2 in the Accelerate config "
+                         "(configs/accelerate/*.yaml)")
+    model, optimizer = acc.prepare(model, optimizer)
+    lora.checkpoint_adapter_only(acc, model)  # under LoRA checkpoints keep the adapter, not the frozen weights
+    if cfg.optimizer_from and start is None:  # after prepare: under FSDP the state is sharded like the model
+        load_optimizer(acc, model, optimizer, optimizer_file(cfg.optimizer_from))
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"], group["initial_lr"] = lr, cfg.lr  # this stage's schedule, not the saved one
+    step = 0
+    if start is not None:
+        step = load_checkpoint(acc, start)["step"]
+        acc.print(f"resumed from {start} at step {step}")
+    sampler = make_sampler(cfg, handoff.sampler_policy(cfg, acc, model), tokenizer)
+    # The sampler starts from the trainer's weights (a resumed checkpoint's too), checked before any rollout.
+    probe = encode(tokenizer, fmt.prompt(problems[0]["problem"]))[:handoff.HANDOFF_PROBE_TOKENS]
+    # the objects a step needs, built once: a plain namespace, not a framework
+    run = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                          tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems, probe=probe,
+                          pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out,
+                          identity=identity, handoff_check=handoff.sync(acc, model, sampler, probe, "at the start"),
+                          one_row=one_row_attention(acc.unwrap_model(model)),
+                          peers=accel.peers(cfg.peer_timeout_s, "train"))
+    run.tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
+                        max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
+                        require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)
+    default_pool().start()  # the answer checkers import sympy while the first rollout runs, not after it
+    return step, run
+
+
+def one_row_attention(model) -> bool:
+    """Whether the model's attention keeps packed sequences apart at the cost of their own lengths only (flash
+    attention's varlen kernels, which read the sequences from position_ids in a batch of one row): then a packed
+    micro-batch is one row (update_plan.layout_for)."""
+    return "flash" in str(getattr(model.config, "_attn_implementation", ""))
+
+
+def make_sampler(cfg: TrainConfig, model, tokenizer):
+    if cfg.sampler == "vllm":
+        from accelerate import PartialState
+        state = PartialState()
+        # One engine per rank: under torchrun / accelerate launch, vLLM's external launcher gives each rank's
+        # engine its own device (LOCAL_RANK); sampling seeds differ per rank.
+        launcher = {"distributed_executor_backend": "external_launcher"} if state.num_processes > 1 else {}
+        return VLLMSampler(cfg.model_path, tokenizer, seed=cfg.seed + state.process_index, dtype=cfg.vllm_dtype,
+                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                           tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                           enforce_eager=cfg.vllm_enforce_eager, **launcher)
+    return HFSampler(model, tokenizer, batch_size=cfg.rollout_batch_size)
+
+
+# Shown on the step line above a threshold: the sampler-trainer gap (an fp32 engine's is ~1e-6, rounding in another
+# summation order; a bf16 engine's ~1e-2: bench/sampler_gap.py), and the ranks' rollout time spent waiting for the
+# slowest rank (schedule.py).
+SHOWN_ABOVE = {"mismatch/logp_abs_diff_mean": ("gap", 1e-3), "perf/rollout_wait_frac": ("wait", 0.2)}
+
+
+def log_line(step: int, m: dict) -> str:
+    keys = [("reward", "rollout/reward_mean"), ("acc", "eval/accuracy"), ("err+", "rollout/tool_error_rate_in_correct"),
+            ("calls", "rollout/tool_calls_mean"), ("len", "rollout/response_tokens_mean"),
+            ("trunc", "rollout/truncated_frac"), ("equal", "roc/equal_group_frac"), ("tok/s", "perf/tokens_per_s")]
+    keys += [(name, k) for k, (name, above) in SHOWN_ABOVE.items() if m.get(k, 0.0) > above]
+    return f"step {step:4d} " + " ".join(f"{name} {m[k]:.3g}" for name, k in keys if k in m)
+
+
+def rollout_wait(accelerator, seconds: float) -> dict:
+    """The ranks' rollout times: the slowest, and the share of rollout time spent waiting for it (schedule.py)."""
+    times = [float(t) for part in accel.all_gather_rows(accelerator, torch.tensor([[seconds]], dtype=torch.float64))
+             for t in part.flatten()]
+    return accel.shared_sums(len(times), {"perf/rollout_wait_frac": (wait_fraction(times), 1.0),
+                                    "perf/rollout_max_s": (max(times), 1.0)})
+
+
+def roc_stats(scores: list, groups: list[int], kept: dict, per_group: int) -> dict:
+    """The step's RoC statistics from the gathered scores, as {name: (sum, count)}."""
+    n_groups = len(scores) // per_group
+    pos = [scores[s] for s in kept if scores[s].reward > 0]
+    return {"roc/equal_group_frac": (n_groups - len(groups), n_groups),
+            "roc/pos_kept_mean": (len(pos), len(groups)), "roc/neg_kept_mean": (len(kept) - len(pos), len(groups)),
+            "roc/tool_error_rate_in_correct": (sum(s.failed_calls for s in pos), sum(s.tool_calls for s in pos))}
+
+
+def step_metrics(acc, trajs: list, verdicts: list, scores: list, groups: list[int], kept: dict, per_group: int,
+                 plan: dict, lr: float, **seconds: float) -> dict:
+    """The step's numbers for the log, as {name: (sum, count)} to be reduced over ranks: this rank's rollouts
+    (rewards, tool use, lengths), the step's RoC statistics and the update plan's (every rank computed them alike:
+    counted once), the ranks' rollout wait, the timings (seconds: rollout, update, step) and the lr."""
+    world = acc.num_processes
+    sums = {f"rollout/{k}": v for k, v in rollout_sums(trajs, [t.reward for t in trajs]).items()}
+    sums.update(accel.shared_sums(world, {**roc_stats(scores, groups, kept, per_group), **plan}))
+    sums.update(rollout_wait(acc, seconds["rollout"]))
+    sums.update({"perf/tokens_per_s": (sum(sum(t.loss_mask) for t in trajs), seconds["rollout"]),
+                 **{f"perf/{name}_s": (s, 1.0) for name, s in seconds.items()}, "loss/lr": (lr, 1.0),
+                 "reward/timeouts": (sum(v.timed_out for v in verdicts), 1.0 / world)})
+    return sums
