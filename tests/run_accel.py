@@ -25,7 +25,7 @@ def timeout(out: Path, rank: int) -> None:
     x = torch.ones(1)
     torch.distributed.barrier()
     if rank == 1:
-        time.sleep(20)
+        time.sleep(12)
     t0, error = time.perf_counter(), None
     try:
         torch.distributed.all_reduce(x)

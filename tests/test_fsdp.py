@@ -87,25 +87,6 @@ def test_each_fsdp_rank_s_sampler_gets_exactly_the_weights_of_one_process(tiny, 
     assert sampler_gap(reference, two) < 1e-5  # and those are one process's update, to rounding
 
 
-def test_stage_2_carries_the_sharded_adamw_state_like_one_process(tiny, stage1, tmp_path):
-    """optimizer_from under FSDP reads the sharded optimizer_0/ (before: "no optimizer.bin", the run stopped)."""
-    one, two = stage1
-    carry = ["resume=never"]
-    done = run([sys.executable], {**ENV, "ARGS": train_args(tiny, tmp_path / "one", 1) + carry
-                                  + [f"optimizer_from={one}"]})
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = run(FSDP, {**ENV, "CPU_FSDP": "1", "ARGS": train_args(tiny, tmp_path / "fsdp", 1) + carry
-                      + [f"optimizer_from={two}"]}, port=29644)
-    assert done.returncode == 0, done.stderr[-3000:]
-    reference = torch.load(tmp_path / "one" / "sampler0.pt")
-    fresh = run([sys.executable], {**ENV, "ARGS": train_args(tiny, tmp_path / "fresh", 1) + carry})
-    assert fresh.returncode == 0, fresh.stderr[-3000:]
-    other = torch.load(tmp_path / "fresh" / "sampler0.pt")
-    carried = sampler_gap(reference, tmp_path / "fsdp")
-    assert carried < 1e-5  # one process's step, to rounding ...
-    assert max((other[k] - reference[k]).abs().max().item() for k in reference) > 100 * carried  # ... state matters
-
-
 def test_a_skipped_gather_is_caught_by_the_hand_off_check(tiny, tmp_path):
     out = tmp_path / "skipped"
     done = run(FSDP, {**ENV, "CPU_FSDP": "1", "SKIP_GATHER": "1", "ARGS": train_args(tiny, out, 2)}, port=29642)

@@ -64,35 +64,36 @@ def test_quick_pipeline_runs_every_stage_and_a_changed_rerun_ends_with_its_own_n
         assert phases[f"eval_{before}"]["beside_next"] and phases[f"eval_{before}"]["start_s"] <= phases[stage]["start_s"]
     assert "where the time went" in done.stdout
 
-    # The same folder with other settings (as a full run after --quick): every step they change is done again,
-    # and every evaluation with it; the steps they do not change are kept.
-    untouched = [root / "base" / "model.safetensors", root / "data" / "sft.jsonl"]
-    kept = [p.stat().st_mtime_ns for p in untouched]
+    # The same folder with stage 3 changed (another lr): stage 3 is done again with its evaluations, and the
+    # summary reads the new ones; every step it does not change is kept, evaluations included.
+    kept = {p: p.stat().st_mtime_ns for name in ("base", "sft", "stage1", "stage2", "eval_sft", "eval_stage1",
+                                                 "eval_stage2", "val_stage1", "val_stage2")
+            for p in [root / name / "step.json"]}
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setitem(tiny_pipeline.QUICK, "sft", ["max_steps=5", "log_every=1"])
-    monkeypatch.setitem(tiny_pipeline.QUICK, "train", [a.replace("steps=2", "steps=3")
-                                                       for a in tiny_pipeline.QUICK["train"]])
+    real_inputs = tiny_pipeline.stage_inputs
+
+    def other_stage3(root_, stage, previous, lora):
+        config, model, extra = real_inputs(root_, stage, previous, lora)
+        return config, model, extra + (["lr=5.0e-5"] if stage == 3 else [])
+    monkeypatch.setattr(tiny_pipeline, "stage_inputs", other_stage3)
     tiny_pipeline.main(["--quick", "--root", str(root)])
-    assert [p.stat().st_mtime_ns for p in untouched] == kept  # the model and data steps are not redone
-    assert len((root / "sft" / "metrics.jsonl").read_text().splitlines()) == 5
-    assert len((root / "sft.previous" / "metrics.jsonl").read_text().splitlines()) == 4  # kept aside
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept  # nothing upstream of stage 3 was redone
+    assert (root / "stage3.previous" / "metrics.jsonl").is_file()  # the old stage 3, kept aside
+    assert "lr=5.0e-5" in json.loads((root / "stage3" / "step.json").read_text())["record"]["command"]
     summary = json.loads((root / "summary.json").read_text())
-    for stage in ("sft", "stage1", "stage2", "stage3"):
-        if stage != "sft":
-            assert len((root / stage / "metrics.jsonl").read_text().splitlines()) == 3
-        results = json.loads((root / f"eval_{stage}" / "results.json").read_text())
-        model = root / stage / "model"
+    for stage in ("stage3", "val_stage3"):
+        results = json.loads((root / f"eval_{stage}" if stage == "stage3" else root / stage)
+                             .joinpath("results.json").read_text())
+        model = root / "stage3" / "model"
         stats = {str(p.relative_to(model)): [p.stat().st_size, p.stat().st_mtime_ns]
                  for p in sorted(model.rglob("*")) if p.is_file()}
-        assert results["identity"]["model_files"] == stats  # the evaluation is of this model, not the old one
-        accuracy = next(iter(results["benchmarks"].values()))["pass@1"]
-        if stage == "stage3":  # the summary's stage 3 is the final model's, stage 3's own is the guard's record
-            guard = summary["stage_guard"]
-            assert guard["trained_accuracy"] == accuracy
-            final = json.loads((root / f"eval_{guard['final_model']}" / "results.json").read_text())
-            accuracy = next(iter(final["benchmarks"].values()))["pass@1"]
-        assert summary[f"{stage}_accuracy"] == accuracy
+        assert results["identity"]["model_files"] == stats  # the evaluation is of the new model, not the old one
+    guard = summary["stage_guard"]
+    results = json.loads((root / "eval_stage3" / "results.json").read_text())
+    assert guard["trained_accuracy"] == next(iter(results["benchmarks"].values()))["pass@1"]
+    final = json.loads((root / f"eval_{guard['final_model']}" / "results.json").read_text())
+    assert summary["stage3_accuracy"] == next(iter(final["benchmarks"].values()))["pass@1"]
 
 
 SCRIPT = """
