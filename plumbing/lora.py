@@ -22,10 +22,13 @@ What leaves the trainer:
 - checkpoints hold the adapter's weights only, with the optimizer, schedule and RNG states as before
   (`adapter_only`, `load_adapter_only`): the frozen weights are `model_path`'s.
 
-Not here: LoRA under FSDP (train.py and sft.py refuse it in one line: FSDP2 would shard and gather the frozen
-weights with the adapter, and Accelerate's FSDP2 preparation upcasts the model to fp32 for mixed precision; on one GPU,
-the case LoRA is for, nothing needs sharding, and data parallelism runs under DDP), adapters on the embedding or the
-output layer, DoRA and the other PEFT variants, vLLM's own LoRA path (docs/method.md says why merged weights).
+Under a launcher: DDP reduces the adapter's gradients only (the frozen weights have none). FSDP2 shards the frozen
+weights with the adapter; Accelerate upcasts only parameters that train to fp32, so the frozen ones keep the
+checkpoint's dtype, and under mixed_precision=bf16 every layer is gathered in bf16. An FSDP checkpoint is torch's
+sharded checkpoint of every shard, frozen weights included (Accelerate writes it apart from the hooks above).
+
+Not here: adapters on the embedding or the output layer, DoRA and the other PEFT variants, vLLM's own LoRA path
+(docs/method.md, §10, says why merged weights).
 """
 from pathlib import Path
 

@@ -145,6 +145,20 @@ def test_invariance_of_loss_lr_and_weights_to_the_number_of_processes(tiny, runs
         assert all(r["backward"] and r["backward"][0]["sharded_grads"] > 0 for r in records(many, world))
 
 
+def test_invariance_of_a_lora_sft_under_fsdp2(tiny):
+    """sft.py with a LoRA adapter (plumbing/lora.py) under FSDP2 on 2 processes: the log and the merged model/ of
+    one process."""
+    outs = {}
+    for kind, world in (("one", 1), ("fsdp", 2)):
+        outs[kind] = tiny[0] / f"lora-{kind}{world}"
+        launch(kind, world, sft_args(tiny, outs[kind]) + ["lora_rank=4"])
+    assert_same_log(rows(outs["fsdp"]), rows(outs["one"]))
+    start = AutoModelForCausalLM.from_pretrained(tiny[1]).state_dict()
+    assert max_gap(weights(outs["one"]), start) > 1e-3
+    assert max_gap(weights(outs["fsdp"]), weights(outs["one"])) <= TOL_WEIGHTS
+    assert (outs["fsdp"] / "adapter" / "adapter_model.safetensors").is_file()
+
+
 def trained_ids(tiny) -> list[list[int]]:
     """Each conversation's trained token ids, as the recording runner sees them in a micro-batch's labels."""
     _, base, data = tiny
