@@ -509,6 +509,7 @@ sys.path.insert(0, {str(ROOT)!r})
 from accelerate import PartialState
 from transformers import AutoTokenizer
 import train
+from plumbing import rl_stage
 state = PartialState(cpu=True)  # gloo, as train.py's Accelerator(cpu=True) sets it up
 cfg = train.TrainConfig(model_path={str(model)!r}, seed=3, sampler="vllm", vllm_dtype="float32",
                         vllm_enforce_eager=True)
