@@ -649,4 +649,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from plumbing import accel
+    accel.run_and_exit(main)  # no abort at exit (plumbing/accel.py, point 4)

@@ -556,4 +556,4 @@ def run_sft(cfg: SFTConfig) -> Path:
 
 
 if __name__ == "__main__":
-    train(parse_cli(SFTConfig, usage=USAGE))
+    accel.run_and_exit(lambda: train(parse_cli(SFTConfig, usage=USAGE)))  # no abort at exit (plumbing/accel.py, 4)

@@ -330,4 +330,4 @@ def run_stage(cfg: TrainConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    accel.run_and_exit(main)  # no abort at exit (plumbing/accel.py, point 4)

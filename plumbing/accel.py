@@ -24,11 +24,21 @@ Plain `python sft.py` / `train.py` on one process builds the same Accelerator; t
 launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tests/cpu_fsdp.py on CPU processes).
 `is_sharded` and `full` are the two questions both loops ask of FSDP2's DTensors.
 
-4. The end of the process group (`process_group_ends`, around each entry point's work). A process that exits with
-   its process group alive leaves gloo's (and NCCL's) C++ worker threads running into interpreter finalization;
-   one in a few such exits then dies in `terminate called without an active exception` (SIGABRT, exit code -6)
-   after the work is done and saved, which every launcher and scheduler reads as a crash (pytorch/pytorch#190489).
-   `Accelerator.end_training` destroys the group on the way out of a finished run; the error paths need it too.
+4. The end of the process group and of the process (`process_group_ends` around each entry point's work, and
+   `run_and_exit` around its command line). torch's backward stashes a copy of the Python context (contextvars) in
+   thread-local state while it runs (`_engine_run_backward`, torch/autograd/graph.py, torch 2.13), and every gloo
+   collective issued inside a backward (DDP's bucket all-reduces, FSDP2's reduce-scatters) keeps a copy of that
+   state. Gloo's worker thread often holds the last reference to a finished collective, and releasing it then needs
+   the GIL. If that thread asks for the GIL while the interpreter is shutting down, Python ends it with pthread_exit,
+   whose unwinding reaches a destructor that may not throw: `terminate called without an active exception`,
+   SIGABRT (exit code -6), after the work is done and saved, which every launcher and scheduler reads as a crash
+   (pytorch/pytorch#190489). Destroying the group narrows the window (it waits for the group's pending work) but
+   does not close it: gloo's worker threads live until the last reference to the group goes, which Accelerate's and
+   FSDP2's state keep (a destroyed group's threads were still running at exit on 2 CPU processes), and on a loaded
+   machine a worker can reach the GIL only after the interpreter has begun to shut down. So an entry point ends
+   the group on every way out, errors included, and then ends the process as Python would (non-daemon threads
+   joined, atexit handlers run, standard streams flushed, the same exit status) but without the interpreter's
+   shutdown, which is the only time this abort can happen. tests/late_release.py makes it happen on every run.
 5. Waiting for the slowest rank with a heartbeat (`Peers`). While a rank rolls out, it adds to a counter of its
    own in the process group's store (the TCP store torchrun and `accelerate launch` run, which outlives a worker)
    after its engine steps, at most once a second. A rank that has finished says so in the store and polls the
@@ -47,11 +57,15 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    CUDA); Accelerate then uses the group it finds. Across nodes each agent counts its own restarts: they stay in step
    when every node's workers stop on each failure, which the heartbeat (point 5) makes them do.
 """
+import atexit
 import contextlib
+import os
+import sys
+import threading
 import time
 import uuid
-import os
 from datetime import timedelta
+from typing import Callable, NoReturn
 
 import torch
 
@@ -149,6 +163,33 @@ def process_group_ends():
         end_process_group(failed=True)
         raise
     end_process_group()
+
+
+def run_and_exit(main: Callable[[], object]) -> NoReturn:
+    """An entry point's command line: `main()` with the process group ended on every way out, then the process
+    ended without the interpreter's shutdown (point 4 above), with the exit status Python would give: 0, a
+    SystemExit's code (its message on stderr and 1 when it is not a number), 1 after an uncaught error's traceback."""
+    try:
+        with process_group_ends():
+            main()
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException as e:  # noqa: BLE001 (reported as Python reports it, with its exit status)
+        sys.excepthook(type(e), e, e.__traceback__)
+        code = 130 if isinstance(e, KeyboardInterrupt) else 1
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # weakref finalizers, logging, the code tool's pool, Accelerate's and the user's own
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def mixed_precision_policy(model) -> dict[str, tuple]:

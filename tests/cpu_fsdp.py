@@ -52,5 +52,5 @@ if __name__ == "__main__":
     from plumbing import accel
     enable()
     sys.argv = sys.argv[1:]
-    with accel.process_group_ends():  # whatever the entry point does on its way out (plumbing/accel.py, point 4)
-        runpy.run_path(sys.argv[0], run_name="__main__")
+    # whatever the script does on its way out, the group ends and the process ends as the entry points' do
+    accel.run_and_exit(lambda: runpy.run_path(sys.argv[0], run_name="__main__"))

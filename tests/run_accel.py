@@ -96,10 +96,5 @@ if __name__ == "__main__":
         cpu_fsdp.enable()
     mode, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ.get("RANK", 0))
-    with accel.process_group_ends():  # every way out ends the group, as the entry points do
-        if mode == "timeout":
-            timeout(out, rank)
-        elif mode == "reshard":
-            reshard(out, rank)
-        else:
-            policy(mode, out, rank)
+    run = {"timeout": timeout, "reshard": reshard}.get(mode, lambda out, rank: policy(mode, out, rank))
+    accel.run_and_exit(lambda: run(out, rank))  # as the entry points end (plumbing/accel.py, point 4)

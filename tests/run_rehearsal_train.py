@@ -22,6 +22,7 @@ if os.environ.get("CPU_FSDP") == "1":
 import torch  # noqa: E402
 
 import train  # noqa: E402
+from plumbing import accel  # noqa: E402
 
 RECORD = {"update": [], "tool_turns": []}
 SHAPES = []
@@ -94,6 +95,9 @@ if __name__ == "__main__":
     train.token_logprobs = recorded_logprobs(train.token_logprobs)
     train.rollout = recorded_rollout(train.rollout)
     train.save_model = save_with_masters(train.save_model)
-    train.main(sys.argv[1:])
     out = Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1])
-    (out / f"rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps(RECORD))
+
+    def run():
+        train.main(sys.argv[1:])
+        (out / f"rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps(RECORD))
+    accel.run_and_exit(run)  # as train.py ends (plumbing/accel.py, point 4)

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import eval as ev  # noqa: E402
+from plumbing import accel  # noqa: E402
 from scripted_policy import ScriptedSampler  # noqa: E402
 
 
@@ -41,4 +42,4 @@ class VariedSampler(ScriptedSampler):
 if __name__ == "__main__":
     from transformers import AutoTokenizer
     ev.load_model = lambda cfg: (VariedSampler(None, tok := AutoTokenizer.from_pretrained(cfg.model_path)), tok)
-    ev.main(sys.argv[1:])
+    accel.run_and_exit(lambda: ev.main(sys.argv[1:]))  # as eval.py ends (plumbing/accel.py, point 4)

@@ -174,10 +174,12 @@ if __name__ == "__main__":
         return made[-1]
 
     rl_stage.make_sampler = make
-    train.main(sys.argv[1:])
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    out = Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1])
-    weights = {k: v.detach().flatten()[:4].tolist() for k, v in made[0].model.state_dict().items()}
-    (out / f"rank{rank}.json").write_text(json.dumps({"world_size": world, "checksum": weights_sum(made[0].model),
-                                                      "weights": weights}))
-    torch.save({k: v.detach().clone() for k, v in made[0].model.state_dict().items()}, out / f"sampler{rank}.pt")
+
+    def run():
+        train.main(sys.argv[1:])
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        weights = {k: v.detach().flatten()[:4].tolist() for k, v in made[0].model.state_dict().items()}
+        (out_dir / f"rank{rank}.json").write_text(json.dumps({"world_size": world, "checksum": weights_sum(made[0].model),
+                                                              "weights": weights}))
+        torch.save({k: v.detach().clone() for k, v in made[0].model.state_dict().items()}, out_dir / f"sampler{rank}.pt")
+    accel.run_and_exit(run)  # as the entry points end (plumbing/accel.py, point 4)

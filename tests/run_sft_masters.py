@@ -16,6 +16,7 @@ if os.environ.get("CPU_FSDP") == "1":  # before sft imports Accelerator
 import torch  # noqa: E402
 
 import sft  # noqa: E402
+from plumbing import accel  # noqa: E402
 from plumbing.config import parse_cli  # noqa: E402
 
 real_save = sft.save_model
@@ -30,4 +31,4 @@ def save_with_masters(acc, model, tokenizer, out, *rest):
 
 if __name__ == "__main__":
     sft.save_model = save_with_masters
-    sft.train(parse_cli(sft.SFTConfig, sys.argv[1:]))
+    accel.run_and_exit(lambda: sft.train(parse_cli(sft.SFTConfig, sys.argv[1:])))  # as sft.py ends

@@ -21,6 +21,7 @@ if os.environ.get("CPU_FSDP") == "1":  # before sft imports Accelerator
 from accelerate.accelerator import Accelerator  # noqa: E402
 
 import sft  # noqa: E402
+from plumbing import accel  # noqa: E402
 from plumbing.config import parse_cli  # noqa: E402
 
 record = {"trained": [], "backward": []}
@@ -77,5 +78,8 @@ def recorded_backward(self, loss, **kwargs):
 if __name__ == "__main__":
     sft.masked_lm_loss, Accelerator.prepare, Accelerator.backward = recorded_loss, recorded_prepare, recorded_backward
     cfg = parse_cli(sft.SFTConfig, sys.argv[1:])
-    sft.train(cfg)
-    (Path(cfg.out_dir) / f"record{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
+
+    def run():
+        sft.train(cfg)
+        (Path(cfg.out_dir) / f"record{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
+    accel.run_and_exit(run)  # as sft.py ends (plumbing/accel.py, point 4)
