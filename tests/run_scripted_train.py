@@ -179,7 +179,8 @@ if __name__ == "__main__":
         train.main(sys.argv[1:])
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         weights = {k: v.detach().flatten()[:4].tolist() for k, v in made[0].model.state_dict().items()}
-        (out_dir / f"rank{rank}.json").write_text(json.dumps({"world_size": world, "checksum": weights_sum(made[0].model),
-                                                              "weights": weights}))
-        torch.save({k: v.detach().clone() for k, v in made[0].model.state_dict().items()}, out_dir / f"sampler{rank}.pt")
+        (out_dir / f"rank{rank}.json").write_text(json.dumps({"world_size": world, "weights": weights,
+                                                              "checksum": weights_sum(made[0].model)}))
+        torch.save({k: v.detach().clone() for k, v in made[0].model.state_dict().items()},
+                   out_dir / f"sampler{rank}.pt")
     accel.run_and_exit(run)  # as the entry points end (plumbing/accel.py, point 4)

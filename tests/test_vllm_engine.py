@@ -477,8 +477,9 @@ def test_train_py_on_a_bf16_engine_logs_its_gap(tiny, product_data, tmp_path):
 
 def test_train_py_stops_after_one_step_when_the_engine_skips_updates(tiny, say_data, tmp_path):
     out = tmp_path / "run"
-    skip = ("import sys, train; from samplers.vllm_engine import VLLMSampler; "
-            "VLLMSampler.update_weights = lambda self, model: None; train.main(sys.argv[1:])")
+    skip = ("import sys, train; from plumbing import accel; from samplers.vllm_engine import VLLMSampler; "
+            "VLLMSampler.update_weights = lambda self, model: None; "
+            "accel.run_and_exit(lambda: train.main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", skip] + train_args(tiny, say_data, out)[1:], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 1
@@ -509,18 +510,22 @@ sys.path.insert(0, {str(ROOT)!r})
 from accelerate import PartialState
 from transformers import AutoTokenizer
 import train
-from plumbing import rl_stage
-state = PartialState(cpu=True)  # gloo, as train.py's Accelerator(cpu=True) sets it up
-cfg = train.TrainConfig(model_path={str(model)!r}, seed=3, sampler="vllm", vllm_dtype="float32",
-                        vllm_enforce_eager=True)
-sampler = rl_stage.make_sampler(cfg, None, AutoTokenizer.from_pretrained(cfg.model_path))
-worker = sampler.llm.collective_rpc(lambda self: (self.local_rank, self.rank, str(self.device)))[0]
-config = sampler.llm.llm_engine.vllm_config
-tokens = sampler.generate([[5, 6, 7]], [16], temperature=1.0)[0].token_ids
-json.dump({{"seed": config.model_config.seed, "backend": config.parallel_config.distributed_executor_backend,
-           "worker": worker, "tokens": tokens}}, open({str(tmp_path)!r} + f"/rank{{state.process_index}}.json", "w"))
-sampler.close()
-state.destroy_process_group()  # a group left alive at exit can abort the interpreter's shutdown (plumbing/accel.py)
+from plumbing import accel, rl_stage
+
+def main():
+    state = PartialState(cpu=True)  # gloo, as train.py's Accelerator(cpu=True) sets it up
+    cfg = train.TrainConfig(model_path={str(model)!r}, seed=3, sampler="vllm", vllm_dtype="float32",
+                            vllm_enforce_eager=True)
+    sampler = rl_stage.make_sampler(cfg, None, AutoTokenizer.from_pretrained(cfg.model_path))
+    worker = sampler.llm.collective_rpc(lambda self: (self.local_rank, self.rank, str(self.device)))[0]
+    config = sampler.llm.llm_engine.vllm_config
+    tokens = sampler.generate([[5, 6, 7]], [16], temperature=1.0)[0].token_ids
+    with open({str(tmp_path)!r} + f"/rank{{state.process_index}}.json", "w") as f:
+        json.dump({{"seed": config.model_config.seed, "backend": config.parallel_config.distributed_executor_backend,
+                   "worker": worker, "tokens": tokens}}, f)
+    sampler.close()
+
+accel.run_and_exit(main)  # the group ended, and the process, as the entry points end theirs (plumbing/accel.py, 4)
 """)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"]
     done = subprocess.run(torchrun + [str(script)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
