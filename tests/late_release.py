@@ -1,16 +1,21 @@
 """`torchrun --nproc_per_node 2 tests/late_release.py MODE OUT_DIR`: the abort at exit of plumbing/accel.py (point 4),
-made to happen on every run, and the way the entry points end their processes, which leaves it no time to happen.
+set up on purpose, and the way the entry points end their processes, which leaves it no time to happen.
 
 Each rank makes a gloo group and keeps it (as Accelerate's and FSDP2's state keep theirs), and all-reduces a gradient
-from inside a backward, so the collective carries the backward's Python context. Rank 1 joins it 1 s late, and rank 0
-does not wait for it: it holds the GIL in a 2 s computation meanwhile, as a busy main thread does while a worker thread
-on a loaded machine is late. Rank 0's gloo worker finishes the collective and then waits for the GIL to release it.
+from inside a backward, so the collective carries the backward's Python context. Rank 1 joins it only once rank 0 has
+let go of its reference to it, and rank 0 does not wait for it: it holds the GIL in a computation meanwhile (until
+rank 1 says the all-reduce is done, and 1 s more), as a busy main thread does while a worker thread on a loaded
+machine is late. Rank 0's gloo worker finishes the collective and then waits for the GIL to release it.
 MODE plain: the script ends; the interpreter shuts down and hands the worker the GIL while it frees an object (0.5 s):
-the worker is ended mid-release and the process aborts. MODE entry: the same work through `accel.run_and_exit`.
-Both modes clear the atexit handlers (torch's and logging's included): one that writes lets go of the GIL before the
-shutdown, and a worker that takes it then is in time. Each rank writes OUT_DIR/rank{R}.json once its group is up."""
+the worker is ended mid-release and the process aborts (10 runs of 10 on a quiet 2-core VM; about 2 in 3 beside a
+full test run, where the worker is sometimes still not waiting when the shutdown begins). MODE entry: the same work
+through `accel.run_and_exit`. Both modes clear the atexit handlers (torch's and logging's included): one that writes
+lets go of the GIL before the shutdown, and a worker that takes it then is in time. Each rank writes
+OUT_DIR/rank{R}.json once its group is up.
+"""
 import atexit
 import json
+import mmap
 import os
 import sys
 import time
@@ -36,24 +41,36 @@ class SlowToFree:
 
 
 def work() -> None:
+    sys.setswitchinterval(60)  # from here on rank 0 lets go of the GIL only when it blocks
+    flag_path = OUT / "joined"
+    if RANK == 0:
+        flag_path.write_bytes(b"\0\0")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1,
                           int(os.environ["WORLD_SIZE"]), RANK == 0)
     group = dist.ProcessGroupGloo(store, RANK, int(os.environ["WORLD_SIZE"]), timedelta(seconds=60))
     GROUPS.append(group)
     group.barrier().wait()  # both ranks set up (outside a backward: this collective carries no Python context)
     (OUT / f"rank{RANK}.json").write_text(json.dumps({"pid": os.getpid()}))
+    with open(flag_path, "r+b") as f:
+        flags = mmap.mmap(f.fileno(), 2)  # [0]: rank 1's all-reduce is done; [1]: rank 0 has let go of its own
     pending = []
     x = torch.ones(4, requires_grad=True)
     x.register_hook(lambda grad: pending.append(group.allreduce([grad.clone()])) or grad)
     if RANK == 1:
-        time.sleep(1)
+        while flags[1] == 0:
+            time.sleep(0.01)
     (2 * x).sum().backward()
     if RANK == 1:
         pending[0].wait()
-    pending.clear()  # rank 0: the worker thread now holds the collective's last reference
-    sys.setswitchinterval(60)  # hold the GIL through the computation below
+        flags[0] = 1
+        return
+    pending.clear()  # the worker thread now holds the collective's last reference
+    flags[1] = 1
+    start = time.perf_counter()  # hold the GIL until the all-reduce is done and 1 s more (reading memory keeps it)
+    while flags[0] == 0 and time.perf_counter() - start < 60:
+        pass
     start = time.perf_counter()
-    while time.perf_counter() - start < 2:
+    while time.perf_counter() - start < 1:
         pass
 
 

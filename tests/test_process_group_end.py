@@ -89,18 +89,24 @@ def test_process_group_ends_on_an_error_and_lets_the_error_through(tmp_path):
         pass
 
 
+def late_release(tmp_path: Path, mode: str, attempt: int) -> tuple:
+    out = tmp_path / f"{mode}{attempt}"
+    out.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29665",
+               str(ROOT / "tests" / "late_release.py"), mode, str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    return (done.returncode, "terminate called without an active exception" in done.stderr,
+            sorted(p.name for p in out.iterdir()))
+
+
 def test_a_collective_released_late_aborts_a_plain_exit_and_not_run_and_exit(tmp_path):
-    seen = {}
-    for mode in ("plain", "entry"):
-        out = tmp_path / mode
-        out.mkdir()
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29665",
-                   str(ROOT / "tests" / "late_release.py"), mode, str(out)]
-        done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-        seen[mode] = (done.returncode, "terminate called without an active exception" in done.stderr,
-                      sorted(p.name for p in out.iterdir()))
-    assert seen["plain"] == (1, True, ["rank0.json", "rank1.json"])  # rank 0 aborted at exit; torchrun reports it
-    assert seen["entry"] == (0, False, ["rank0.json", "rank1.json"])
+    # The set-up wins its race on every quiet run and about 2 runs in 3 on a loaded machine: up to 5 tries
+    plain = [late_release(tmp_path, "plain", 0)]
+    while plain[-1][0] == 0 and len(plain) < 5:
+        plain.append(late_release(tmp_path, "plain", len(plain)))
+    assert plain[-1] == (1, True, ["joined", "rank0.json", "rank1.json"])  # rank 0 aborted at exit; torchrun says so
+    for attempt in range(2):
+        assert late_release(tmp_path, "entry", attempt) == (0, False, ["joined", "rank0.json", "rank1.json"])
 
 
 RUN_AND_EXIT = """
