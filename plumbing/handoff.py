@@ -9,7 +9,9 @@ must have moved too.
 
 - `hand_off`: the module itself when this rank holds all of it (HFSampler may share it: nothing to copy), else
   the FSDP-sharded parameters gathered one at a time and streamed (`gathered_weights`). Under LoRA only the adapted
-  layers changed: their merged weights W + (alpha / r) B A (`lora.merged_weights`), and nothing else is sent.
+  layers changed: their merged weights W + (alpha / r) B A (`lora.merged_weights`), and nothing else is sent,
+  unless the sampler has discarded its weights (vLLM's level-2 sleep, or an engine started from dummy weights):
+  then every weight goes, the frozen ones as the trainer holds them (`every_lora_weight`).
 - `sampler_policy`: the model HFSampler decodes with (a full copy of its own under FSDP, and under LoRA: the plain
   model as `model_path` holds it, into which each hand-off merges the adapted layers).
 - `sync`: hand off, then verify; what train.py calls.
@@ -138,11 +140,28 @@ def sampler_policy(cfg, accelerator, model):
     return copy
 
 
+def every_lora_weight(policy, device, dtype=None):
+    """(name, tensor) of every weight a LoRA model's plain form has, by the plain model's names: W' for each adapted
+    layer (`lora.merged_weight`), the frozen weights as the trainer holds them (gathered under FSDP; an adapted
+    layer's W is gathered twice there, once here and once for its merge). What a sampler that discarded its
+    weights needs: on one GPU a copy from the trainer's memory into the engine's, no host RAM."""
+    adapted = lora.adapted_modules(policy)
+    for name, t in gathered_weights(policy.get_base_model(), device, dtype):
+        if ".lora_" in name:
+            continue
+        name = lora.plain_name(name)
+        layer = name.removesuffix(".weight")
+        yield name, (lora.merged_weight(adapted[layer], dtype or t.dtype) if layer in adapted else t)
+
+
 def hand_off(accelerator, model, sampler) -> None:
     """Phase 9: the trainer's weights into the sampler: the module itself where this rank holds all of it, else
-    the gathered parameters, streamed."""
+    the gathered parameters, streamed. Under LoRA the merged layers only, or every weight where the sampler has
+    discarded its own (`missing_weights`: vLLM after a level-2 sleep, or started from dummy weights)."""
     policy = accelerator.unwrap_model(model)
-    if lora.is_lora(policy):
+    if lora.is_lora(policy) and getattr(sampler, "missing_weights", False):
+        sampler.update_weights(every_lora_weight(policy, accelerator.device, sampler.dtype))
+    elif lora.is_lora(policy):
         sampler.update_weights(lora.merged_weights(policy, sampler.dtype), partial=True)
     else:
         sampler.update_weights(gathered_weights(policy, accelerator.device, sampler.dtype)

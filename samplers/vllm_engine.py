@@ -13,6 +13,7 @@ evaluation only).
 import gc
 import itertools
 import logging
+import math
 import os
 
 import torch
@@ -20,16 +21,23 @@ import torch
 from protocol import IM_END
 from samplers.interface import Completion
 
-VLLM_MIN_VERSION = (0, 16)  # LLM.collective_rpc("reload_weights", weights_iterator=...): in place, re-processed
+# The oldest vLLM whose behaviour this file relies on (docs/real_scale.md, "The vLLM floor"): the layer-wise in-place
+# reload behind collective_rpc("reload_weights", weights_iterator=...), sleep level 2 keeping and restoring the model's
+# buffers, the CUDA graphs in the sleep pool (SLEEP_OFFLOAD_CUDAGRAPH) and typed prompts from the engine's renderer.
+VLLM_MIN_VERSION = (0, 32)
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU build: KV-cache size when not given (its default is a share of host RAM)
-SLEEP_LEVEL = 2  # 2: weights and KV cache discarded (1 would copy the weights to CPU RAM); update_weights loads all
+SLEEP_LEVEL = 2  # 2: weights and KV cache discarded (1 would copy them to CPU RAM); the next hand-off sends every one
 # The engine argument that puts the CUDA graphs in the pool sleep copies to CPU RAM (default False: they stay on the
 # GPU while asleep); build_engine passes it True with sleep mode where this vLLM's EngineArgs has it.
 SLEEP_OFFLOAD_CUDAGRAPH = "sleep_mode_offload_cudagraph"
+# vLLM's own process groups (its tensor-parallel and CPU groups, built under the launcher's): their timeouts are
+# these engine arguments (vLLM 0.32, ParallelConfig), torch's defaults when unset (NCCL 10 minutes, gloo 30).
+# build_engine sets both to `group_timeout_s` when given.
+GROUP_TIMEOUTS = ("distributed_timeout_seconds", "cpu_distributed_timeout_seconds")
 
 
 class VLLMSampler:
-    """Sampling with `vllm.LLM` in this process, colocated with the trainer (vLLM >= 0.16; GPU, or vLLM's CPU build).
+    """Sampling with `vllm.LLM` in this process, colocated with the trainer (vLLM >= 0.32; GPU, or vLLM's CPU build).
 
     Prompts go in as token ids ({"prompt_token_ids": ids}; `add` passes the typed input vLLM's renderer makes of
     it); each request has its own `max_tokens`; stops at
@@ -51,7 +59,8 @@ class VLLMSampler:
     that free (`request_memory`, vllm/v1/worker/utils.py); its KV cache is that share less its weights, its profile
     run's peak and its CUDA graphs (`Worker.determine_available_memory`, vllm/v1/worker/gpu_worker.py). With sleep
     mode, `sleep()` after a rollout uses level 2: the weights and the KV cache are discarded (level 1 would copy the
-    weights to CPU RAM; nothing needs them here, since `update_weights` loads every weight); at either level the
+    weights to CPU RAM; nothing needs them here, since the next hand-off sends every weight: `missing_weights`); at
+    either level the
     engine's runtime buffers and its pool tagged "cudagraph" are copied to CPU RAM (`CuMemBackend.suspend`,
     vllm/device_allocator/sleep_mode_backend.py), and what it allocated outside its pools stays (communicators'
     buffers, FlashInfer's workspace, the model runner's persistent inputs). The CUDA graphs are captured into that
@@ -62,7 +71,9 @@ class VLLMSampler:
     (`SLEEP_OFFLOAD_CUDAGRAPH`). `update_weights` hands torch's cached blocks back
     to the driver (`release_cached_memory`), wakes the weights (the runtime and graph pools come back with them),
     loads all of them, releases again and wakes the KV cache last: the lowest peak. Generating after `sleep()`
-    without an update in between is refused (the weights are gone). Platforms without sleep mode (vLLM's CPU build)
+    without an update in between is refused (the weights are gone), and so is a partial update then: the layers
+    it leaves out would keep whatever the woken memory holds. An engine built with `load_format="dummy"` (vLLM's
+    random weights, no checkpoint read) is in the same state until its first update. Platforms without sleep mode (vLLM's CPU build)
     keep everything resident and `sleep()` does nothing. PYTORCH_CUDA_ALLOC_CONF is left alone: vLLM turns
     expandable segments off itself while it allocates in its pools (`CuMemAllocator.use_memory_pool`).
 
@@ -82,15 +93,16 @@ class VLLMSampler:
 
     tokenizer (or im_end_id): where the <|im_end|> id comes from (default: the engine's tokenizer).
     enable_sleep_mode: None = where the platform has it (CUDA, ROCm, XPU).
+    group_timeout_s: the timeout of vLLM's own process groups (`GROUP_TIMEOUTS`; None: torch's defaults).
     llm: an engine object to use instead of building one (tests pass a fake); extra keywords go to `vllm.LLM`."""
 
     def __init__(self, model_path: str | None = None, tokenizer=None, *, im_end_id: int | None = None, llm=None,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, dtype: str = "bfloat16",
                  seed: int = 0, enable_sleep_mode: bool | None = None, max_model_len: int | None = None,
-                 **llm_kwargs):
+                 group_timeout_s: float | None = None, **llm_kwargs):
         if llm is None:
             llm = build_engine(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                               tensor_parallel_size=tensor_parallel_size,
+                               tensor_parallel_size=tensor_parallel_size, group_timeout_s=group_timeout_s,
                                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
                                logprobs_mode="processed_logprobs", **llm_kwargs)
         if im_end_id is None:  # from the given tokenizer, else the engine's own
@@ -102,7 +114,15 @@ class VLLMSampler:
         self.keys: dict[str, object] = {}  # engine request id -> the caller's key, for requests added and not done
         self._ids = itertools.count()
         self.sleeping: set[str] = set()  # parts of the engine asleep: {'weights', 'kv_cache'}
-        self.weights_dropped = False  # asleep at level 2 and not loaded since: generating is refused
+        # Not every weight is the policy's: dropped by a level-2 sleep or never read (dummy weights), until an update
+        # that sends every weight. Generating and partial updates are refused meanwhile.
+        self.weights_dropped = llm_kwargs.get("load_format") == "dummy"
+
+    @property
+    def missing_weights(self) -> bool:
+        """Does the next update have to send every weight (plumbing/handoff.py asks)? After a level-2 sleep and
+        before the first update of an engine started from dummy weights."""
+        return self.weights_dropped
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):
         assert len(prompts) == len(max_new_tokens) and min(max_new_tokens, default=1) >= 1
@@ -175,20 +195,29 @@ class VLLMSampler:
     def update_weights(self, model, partial: bool = False) -> None:
         """Load new policy weights: `model` is an nn.Module (HF parameter names) or an iterable of (name, tensor);
         partial: only the weights that changed (LoRA's merged layers), each decoder layer's fused groups whole (q,
-        k and v; gate and up), which vLLM's layer-wise reload needs; the others stay as loaded."""
+        k and v; gate and up), which vLLM's layer-wise reload needs; the others stay as loaded. Refused while
+        `missing_weights`; and a layer that an update after a discard leaves without weights is an error, one line
+        naming it (vLLM would only warn and keep the woken memory's contents)."""
         assert not self.has_work(), "update_weights between rollouts, not during one"
         if self.tensor_parallel_size != 1:
             raise ValueError(f"update_weights with tensor_parallel_size={self.tensor_parallel_size}: not supported "
                              "(one single-device engine per training rank; tensor parallelism serves eval only)")
+        if partial and self.weights_dropped:
+            raise RuntimeError("update_weights(partial=True) while the engine's weights are discarded (level-2 "
+                               "sleep or dummy weights): the layers left out would hold no weights; send every one")
         weights = model.state_dict().items() if isinstance(model, torch.nn.Module) else model
         self.wake_up(tags=["weights"])  # the KV cache wakes only after the load: lower peak memory
-        quiet = QuietUntouchedLayers() if partial else None  # they keep their weights, as a partial update wants
-        logging.getLogger(RELOAD_LOGGER).addFilter(quiet) if quiet else None
+        # partial: the layers left out keep their weights, as a partial update wants; after a discard: none may be
+        untouched = QuietUntouchedLayers() if partial else UntouchedLayers() if self.weights_dropped else None
+        logging.getLogger(RELOAD_LOGGER).addFilter(untouched) if untouched else None
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
                                                               "is_checkpoint_format": True})
         finally:
-            logging.getLogger(RELOAD_LOGGER).removeFilter(quiet) if quiet else None
+            logging.getLogger(RELOAD_LOGGER).removeFilter(untouched) if untouched else None
+        if isinstance(untouched, UntouchedLayers) and untouched.layers:
+            raise RuntimeError(f"update_weights: the engine's weights were discarded and {len(untouched.layers)} "
+                               f"layers got none ({', '.join(sorted(set(untouched.layers)))}): send every weight")
         self.weights_dropped = False
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.wake_up(tags=["kv_cache"])
@@ -233,21 +262,38 @@ class QuietUntouchedLayers(logging.Filter):
         return record.msg != "%s: Failed to load weights"
 
 
+class UntouchedLayers(logging.Filter):
+    """During an update after the weights were discarded, records (and holds back) vLLM's "Failed to load
+    weights" line of every layer that got none: `update_weights` turns them into one error, since such a layer
+    holds whatever the woken memory held."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights":
+            return True
+        self.layers.append(str(record.args[0]) if record.args else "?")
+        return False
+
+
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
-def build_engine(**kwargs):
-    """`vllm.LLM(**kwargs)` in this process, with the process-wide state it changes put back (see VLLMSampler)."""
+def build_engine(group_timeout_s: float | None = None, **kwargs):
+    """`vllm.LLM(**kwargs)` in this process, with the process-wide state it changes put back (see VLLMSampler);
+    group_timeout_s: the engine arguments GROUP_TIMEOUTS, where this vLLM has them."""
     if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
         raise SystemExit("config error: VLLM_ENABLE_V1_MULTIPROCESSING is set to "
                          f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}; VLLMSampler hands the weights to the "
                          "engine in this process: unset it or set it to 0")
     import vllm
     from vllm.platforms import current_platform
-    found = tuple(int(x) for x in vllm.__version__.split(".")[:2] if x.isdigit())
-    if found < VLLM_MIN_VERSION:
-        raise SystemExit(f"config error: VLLMSampler needs vllm>={'.'.join(map(str, VLLM_MIN_VERSION))} "
-                         f"(in-place reload_weights with a weights iterator), found {vllm.__version__}")
+    check_vllm_version(vllm.__version__)
+    for name in GROUP_TIMEOUTS if group_timeout_s else ():
+        if engine_has_argument(vllm, name):
+            kwargs.setdefault(name, math.ceil(group_timeout_s))
     if kwargs.get("enable_sleep_mode") is None:
         kwargs["enable_sleep_mode"] = current_platform.is_sleep_mode_available()
     if kwargs["enable_sleep_mode"] and engine_has_argument(vllm, SLEEP_OFFLOAD_CUDAGRAPH):
@@ -275,6 +321,14 @@ def build_engine(**kwargs):
             os.environ.pop("LD_PRELOAD", None)
         else:
             os.environ["LD_PRELOAD"] = preload
+
+
+def check_vllm_version(version: str) -> None:
+    """SystemExit with one line naming both versions when `version` (vllm.__version__) is below VLLM_MIN_VERSION."""
+    found = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+    if found < VLLM_MIN_VERSION:
+        raise SystemExit(f"config error: VLLMSampler needs vllm>={'.'.join(map(str, VLLM_MIN_VERSION))} "
+                         f"(its sleep levels and in-place weight reload), found {version}")
 
 
 def engine_has_argument(vllm, name: str) -> bool:

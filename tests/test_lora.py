@@ -12,10 +12,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from plumbing import lora
 import sft
 import train
-from plumbing import rl_stage
+from plumbing import handoff, rl_stage
 from plumbing.data import write_jsonl
 from protocol import TOOL_NAME
 from scripted_policy import ScriptedSampler, say_problems
+from test_sampler import fake_vllm  # noqa: F401 (a fixture: a `vllm` package shaped like 0.33's)
 from tiny.model import build_tiny
 from tools.memory_plan import PUBLIC_CONFIGS, Shape
 
@@ -237,3 +238,134 @@ def test_the_one_gpu_lora_config_fits_its_card_and_full_fine_tuning_does_not(cap
     train.main(["configs/qwen3-8b-lora/stage1.yaml", "dry_run=true", "lora_rank=0"])
     assert capsys.readouterr().out.count("OVER: does not fit") == 2
     assert math.isclose(Shape.from_config(PUBLIC_CONFIGS["qwen3-8b"]).params / 1e9, 8.19, abs_tol=0.01)
+
+
+# ---------------------------------------------------------------- LoRA over an engine whose sleep discards its weights
+class DiscardingLLM:
+    """Shaped like `vllm.LLM` on a GPU with sleep mode, its worker model an fp32 HF model. `sleep(level=2)` really
+    discards: every parameter is overwritten (the memory vLLM maps back on waking holds anything); the reload
+    copies what it is given and, as vLLM's layer-wise reload does, warns for each layer that got nothing and leaves
+    it as it is. Requests are sampled token by token with a generator seeded per request, and each one is sampled
+    again, with the same seed, from PEFT's own merge of the trainer's live model (`policy`): `samples` holds both."""
+
+    def __init__(self, path, policy, dummy: bool):
+        self.model, self.policy, self.samples, self.pending = AutoModelForCausalLM.from_pretrained(path), policy, [], {}
+        if dummy:  # vLLM's dummy weights: small random values, nothing read from the checkpoint
+            self._overwrite(0.001)
+        import types
+        self.llm_engine = types.SimpleNamespace(
+            model_config=types.SimpleNamespace(dtype=torch.float32, enable_sleep_mode=True),
+            add_request=lambda rid, prompt, sp: self.pending.setdefault(rid, (prompt["prompt_token_ids"], sp)),
+            step=self._step, engine_core=types.SimpleNamespace(shutdown=lambda: None))
+
+    def _overwrite(self, scale: float):
+        g = torch.Generator().manual_seed(len(self.samples) + 17)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+    def sleep(self, level=1):
+        assert level == 2 and not self.pending
+        self._overwrite(1.0)
+
+    def wake_up(self, tags=None):
+        pass
+
+    def reset_prefix_cache(self):
+        pass
+
+    def collective_rpc(self, method, kwargs=None):
+        import logging
+        from samplers.vllm_engine import RELOAD_LOGGER
+        assert method == "reload_weights"
+        given = dict(kwargs["weights_iterator"])
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        assert set(given) <= set(params), set(given) - set(params)
+        with torch.no_grad():
+            for name, t in given.items():
+                params[name].copy_(t)
+        for name, module in self.model.named_modules():
+            own = [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)]
+            if own and not any(n in given for n in own):
+                logging.getLogger(RELOAD_LOGGER).warning("%s: Failed to load weights", type(module).__name__)
+
+    @staticmethod
+    def sample(model, prompt, sp, seed):
+        from test_sampler import Logprob
+        g, ids, lps = torch.Generator().manual_seed(seed), list(prompt), []
+        for _ in range(sp.max_tokens):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            logp = torch.log_softmax(logits / sp.temperature, -1)
+            token = int(torch.multinomial(logp.exp(), 1, generator=g))
+            ids.append(token)
+            lps.append({token: Logprob(logp[token].item())})
+            if token in sp.stop_token_ids:
+                break
+        return ids[len(prompt):], lps
+
+    def _step(self):
+        import copy
+        import types
+        from test_sampler import FakeCompletionOutput
+        merged = copy.deepcopy(self.policy).merge_and_unload()
+        outs = []
+        for rid, (prompt, sp) in self.pending.items():
+            seed = len(self.samples) if sp.seed is None else sp.seed
+            ids, lps = self.sample(self.model, prompt, sp, seed)
+            self.samples.append((ids, self.sample(merged, prompt, sp, seed)[0]))
+            reason = "stop" if ids[-1] in sp.stop_token_ids else "length"
+            outs.append(types.SimpleNamespace(request_id=rid, finished=True, outputs=[
+                FakeCompletionOutput(0, "", ids, None, lps, reason)]))
+        self.pending.clear()
+        return outs
+
+    def generate(self, prompts, params, use_tqdm=True):
+        """Scoring only (`VLLMSampler.score`: prompt_logprobs at temperature 1)."""
+        from test_sampler import FakeRequestOutput, Logprob
+        (prompt,), ids = prompts, prompts[0]["prompt_token_ids"]
+        assert params.prompt_logprobs == 0
+        with torch.no_grad():
+            logp = torch.log_softmax(self.model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
+        out = FakeRequestOutput("0", ids, [])
+        out.prompt_logprobs = [None] + [{t: Logprob(logp[k, t].item())} for k, t in enumerate(ids[1:])]
+        return [out]
+
+
+@pytest.mark.parametrize("start", ["checkpoint", "dummy"])
+def test_lora_over_an_engine_whose_sleep_discards_its_weights(tiny, tmp_path, monkeypatch, fake_vllm, start):
+    """Three LoRA steps over an engine that sleeps at level 2 and really loses its weights there (and, with
+    `start=dummy`, starts from random ones): each hand-off after a discard sends every weight, the hand-off check
+    stays green, and every rollout is token for token what PEFT's merge of the trainer's model samples."""
+    from samplers.vllm_engine import VLLMSampler
+    made = []
+
+    def make(cfg, model, tok):
+        made.append(VLLMSampler(None, tok, llm=DiscardingLLM(cfg.model_path, model, start == "dummy"),
+                                **({"load_format": "dummy"} if start == "dummy" else {})))
+        return made[-1]
+
+    monkeypatch.setattr(rl_stage, "make_sampler", make)
+    out = tmp_path / "run"
+    train.main(args(tiny, out, "sampler=vllm", "steps=3", "save_every=3", "max_response_tokens=24",
+                    "rollouts_per_prompt=4"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r][-1] == 3
+    samples = made[0].llm.samples
+    assert len(samples) >= 3 * 2 * 4 and all(engine == merged for engine, merged in samples)
+
+
+def test_an_update_after_a_discard_that_leaves_a_layer_out_is_one_error(tiny, fake_vllm):
+    """After a level-2 sleep a partial update is refused, and so is a full one that misses a layer: one line each,
+    where vLLM would only warn and keep the discarded layer's contents."""
+    from samplers.vllm_engine import VLLMSampler
+    model = adapted(tiny / "base")
+    sampler = VLLMSampler(None, im_end_id=3, llm=DiscardingLLM(tiny / "base", model, dummy=False))
+    sampler.sleep()
+    with pytest.raises(RuntimeError, match=r"partial=True\) while the engine's weights are discarded"):
+        sampler.update_weights(lora.merged_weights(model), partial=True)
+    without_norms = [(n, t) for n, t in handoff.every_lora_weight(model, "cpu") if "norm" not in n]
+    with pytest.raises(RuntimeError, match=r"layers got none \(Qwen3RMSNorm\): send every weight"):
+        sampler.update_weights(without_norms)
+    sampler.update_weights(handoff.every_lora_weight(model, "cpu"))
+    assert not sampler.missing_weights
