@@ -171,10 +171,13 @@ def make_sampler(cfg: TrainConfig, model, tokenizer):
         # One engine per rank: under torchrun / accelerate launch, vLLM's external launcher gives each rank's
         # engine its own device (LOCAL_RANK); sampling seeds differ per rank.
         launcher = {"distributed_executor_backend": "external_launcher"} if state.num_processes > 1 else {}
+        # vLLM's dummy weights, no checkpoint read: the hand-off "at the start" sends every weight into an engine
+        # that has none of the policy's (plumbing/handoff.py, LoRA too), and its check verifies they all arrived.
         return VLLMSampler(cfg.model_path, tokenizer, seed=cfg.seed + state.process_index, dtype=cfg.vllm_dtype,
                            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                            tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-                           enforce_eager=cfg.vllm_enforce_eager, **launcher)
+                           enforce_eager=cfg.vllm_enforce_eager, load_format="dummy",
+                           group_timeout_s=cfg.process_group_timeout_s, **launcher)
     return HFSampler(model, tokenizer, batch_size=cfg.rollout_batch_size)
 
 

@@ -194,3 +194,13 @@ def test_sft_memory_lines_for_the_14b_config():
     small = "\n".join(sft_memory_lines(cfg, 1, model_shape="qwen3-14b", gpu_gb=85.5))  # unsharded on one GPU
     assert "FSDP2 over 1 GPUs" in small and small.endswith("OVER: does not fit")
     assert "no estimate" in sft_memory_lines(cfg, 8)[0]  # no config.json, no model_shape
+
+
+@pytest.mark.parametrize("config, sent", [("configs/qwen3-14b/stage1.yaml", "sends every weight"),
+                                          ("configs/qwen3-8b-lora/stage1.yaml", "adapted layers merged")])
+def test_the_plan_says_the_engine_starts_from_dummy_weights_and_what_each_hand_off_sends(config, sent, capsys):
+    """Every vLLM training config: no checkpoint read by the engine (the hand-off at the start sends every weight),
+    and after each level-2 sleep every weight again, LoRA's frozen ones included."""
+    train.main([config, "dry_run=true"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("engine weights"))
+    assert "vLLM's dummy weights at start (no checkpoint read)" in line and sent in line and "no host RAM" in line

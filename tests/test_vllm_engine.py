@@ -308,6 +308,44 @@ def test_lora_s_merged_layers_alone_update_the_engine(engine, tiny, targets, cap
     engine.update_weights(AutoModelForCausalLM.from_pretrained(path))
 
 
+@pytest.mark.parametrize("adapter", [False, True], ids=["full", "lora"])
+def test_an_engine_from_dummy_weights_takes_every_weight_at_the_start_and_samples_as_the_loaded_one(engine, tiny,
+                                                                                                    adapter):
+    """`load_format="dummy"` (what train.py builds, no checkpoint read): generating and a partial update are refused
+    until an update sends every weight; after the one the hand-off sends at the start (the whole model, or under
+    LoRA `every_lora_weight`) the hand-off check passes and seeded requests draw what the engine that read the
+    checkpoint draws."""
+    from plumbing.handoff import every_lora_weight
+    path, tok = tiny
+    probe, ps = prompts(tok, 1)[0], prompts(tok, 3)
+    dummy = VLLMSampler(str(path), tok, seed=0, load_format="dummy", **ENGINE)
+    try:
+        assert dummy.missing_weights
+        with pytest.raises(RuntimeError, match="weights were dropped"):
+            dummy.generate([probe], [4])
+        model = AutoModelForCausalLM.from_pretrained(path)
+        trainer = sequence_logprobs(model, probe)
+        if adapter:  # a fresh adapter (B = 0): the merged model is the checkpoint's
+            model = lora.add_adapter(model, 4, 8.0, lora.DEFAULT_TARGETS, 0.0, 0)
+            with pytest.raises(RuntimeError, match="partial=True"):
+                dummy.update_weights(lora.merged_weights(model, dummy.dtype), partial=True)
+        dummy.update_weights(every_lora_weight(model, "cpu", dummy.dtype) if adapter else model)
+        assert not dummy.missing_weights
+        assert check_handoff(torch.tensor(dummy.score(probe)), trainer, HANDOFF_TOLERANCE[dummy.dtype]) is None
+
+        def draw(sampler):
+            for i, p in enumerate(ps):
+                sampler.add(i, p, 24, temperature=2.0, seed=40 + i)
+            done = {}
+            while sampler.has_work():
+                done.update(sampler.step())
+            return [done[i].token_ids for i in range(len(ps))]
+
+        assert draw(dummy) == draw(engine)
+    finally:
+        dummy.close()
+
+
 # ---------------------------------------------------------------------------------------------- the entry points
 @pytest.fixture(scope="module")
 def say_data(tmp_path_factory):
@@ -508,7 +546,7 @@ def test_two_ranks_build_two_engines_with_their_own_device_and_seed(tmp_path):
 import json, os, sys
 sys.path.insert(0, {str(ROOT)!r})
 from accelerate import PartialState
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 import train
 from plumbing import accel, rl_stage
 
@@ -517,6 +555,7 @@ def main():
     cfg = train.TrainConfig(model_path={str(model)!r}, seed=3, sampler="vllm", vllm_dtype="float32",
                             vllm_enforce_eager=True)
     sampler = rl_stage.make_sampler(cfg, None, AutoTokenizer.from_pretrained(cfg.model_path))
+    sampler.update_weights(AutoModelForCausalLM.from_pretrained(cfg.model_path))  # it starts from dummy weights
     worker = sampler.llm.collective_rpc(lambda self: (self.local_rank, self.rank, str(self.device)))[0]
     config = sampler.llm.llm_engine.vllm_config
     tokens = sampler.generate([[5, 6, 7]], [16], temperature=1.0)[0].token_ids

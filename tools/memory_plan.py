@@ -39,7 +39,11 @@ what train.py does:
   argument `sleep_mode_offload_cudagraph=True` (default False: they are captured into torch's own graph pool and
   stay on the GPU, engine_graphs more while asleep; vllm/compilation/cudagraph_pool.py, `capture_pool`);
   VLLMSampler (samplers/vllm_engine.py) passes it where vLLM has it (0.32 and 0.33 do). The hand-off then wakes
-  the weights and loads every one before the KV cache wakes, a lower peak than sampling. `HFSampler` under FSDP
+  the weights and loads every one before the KV cache wakes, a lower peak than sampling. Under LoRA too: the
+  frozen weights from the trainer's own copy on the GPU, the adapted layers merged (plumbing/handoff.py), where
+  level 1 would keep the whole model in host RAM (~16 GB per GPU at 8B in bf16) to restore weights that the
+  trainer holds anyway (docs/method.md, section 10). Since every hand-off after a sleep, and the one at the start,
+  sends every weight, the engine starts from vLLM's dummy weights and reads no checkpoint (`engine_start_line`). `HFSampler` under FSDP
   holds its own bf16 copy and a KV buffer per slot; without FSDP it decodes with the trainer's own model.
 SFT (`sft_memory_per_gpu`, FSDP2 launches): the same fp32 state and gathered groups; SFT's loss keeps more of the
 logits (SFT_LOGITS_BYTES); and FSDP2's reduce-scatter transient (`reduce_scatter_bytes`: the largest group's bf16
@@ -282,7 +286,16 @@ def engine_lines(cfg, world: int) -> list[str]:
             f"GPU: node = rank // {per_node}, device cuda:(rank % {per_node}), seed {cfg.seed} + rank",
             "                       " + "; ".join("..." if e["rank"] == "..." else
                                                   f"rank {e['rank']}: node {e['node']} {e['device']} seed {e['seed']}"
-                                                  for e in shown)]
+                                                  for e in shown), engine_start_line(cfg)]
+
+
+def engine_start_line(cfg) -> str:
+    """The dry-run plan's line on what the engine starts from and what each hand-off sends (every train.py config
+    with sampler=vllm: dummy weights, every weight at the start and after each level-2 sleep)."""
+    sent = ("the frozen weights as the trainer holds them and the adapted layers merged" if cfg.lora_rank
+            else "every weight")
+    return (f"engine weights         vLLM's dummy weights at start (no checkpoint read); the hand-off at the start "
+            f"and after each sleep (level 2: weights discarded) sends {sent}; no host RAM")
 
 
 def shape_of(model_path: str, model_shape: str = "") -> tuple[Shape, str] | str:
