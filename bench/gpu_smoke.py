@@ -34,10 +34,14 @@ optimizer step changes nothing), the process's memory outside torch's allocator 
 memory_plan.PROCESS_GB's estimate), what torch keeps reserved after the update and an `empty_cache()` (fragmentation,
 which the plan does not count), and one call of the code tool (a random model never calls it).
 
+Where vLLM is installed, one line per GPU-only check (`GPU_CHECKS`; --cpu names each as skipped): LoRA's hand-off
+after a level-2 sleep (the merged layers alone refused, every weight passing the hand-off check), seeded requests
+equal token for token across a sleep and a hand-off of unchanged weights, and the hand-off check's gap on the GPU
+beside its tolerance.
+
 What it settles: that the three entry points run on a GPU at the real shape in bf16 under FSDP2 with checkpointing,
-what each phase costs in memory against the plan, and how fast the trainer's updates are. What it cannot: vLLM (not
-installed on the machine it is sized for), so the engine's memory, sleep mode and the hand-off into vLLM stay
-unproven here; NCCL across GPUs (one process).
+what each phase costs in memory against the plan, and how fast the trainer's updates are. What it cannot without
+vLLM: the engine's memory, sleep mode and the hand-off into vLLM; NCCL across GPUs (one process).
 
 Needs: torch, transformers, accelerate, matplotlib, sympy, math-verify (and its latex2sympy2_extended and antlr4
 runtime), the Qwen ranks in .cache/qwen/. On a machine without network: run `make qwen-vocab smoke-wheels` where
@@ -409,6 +413,7 @@ def main() -> None:
                      "max_turns=2", *common[1:]] + [f"{k}={v}" for k, v in sizes["eval"].items()]
         launch("eval", eval_args, mode, sizes, env, deadline, accelerate=False)
         lengths = sft_lengths(files["model"], files["sft"], sizes["system_prompt"])
+        gpu_checks(mode, work, files, env)
         report(work, mode, sizes, lengths, time.perf_counter() - t_start, tool)
 
 
@@ -431,6 +436,129 @@ def lr_lines(work: Path, sft_rows: list[dict], rl_rows: list[dict]) -> list[tupl
                                    per_step=c.get("updates_per_step", 1))
         out.append(lr_line(f"rl (lr {c['lr']:g}, warm-up {c['warmup_steps']} steps)", comparison))
     return out
+
+
+# ------------------------------------------------------------------------------ GPU-only checks, one line each
+# The vLLM engine on the GPU (its V2 model runner there; the CPU build runs another): one process builds one engine
+# (bf16, from the random checkpoint) with a trainer beside it and measures what three lines report. The engine's
+# weights are discarded at every sleep there (level 2), which the CPU build cannot show.
+VLLM_PROBE = """
+import json, sys, types
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from plumbing import handoff, lora
+from samplers.vllm_engine import VLLMSampler
+
+path, out = sys.argv[1], sys.argv[2]
+tok = AutoTokenizer.from_pretrained(path)
+trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+sampler = VLLMSampler(path, tok, seed=0, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.3)
+acc = types.SimpleNamespace(unwrap_model=lambda m: m, device=torch.device("cuda"))
+probe = tok.encode("Compute 12*34 with Python, then give the answer in a box.", add_special_tokens=False) * 8
+prompts = [probe[:40], probe[7:60], probe[3:25]]
+tolerance = handoff.handoff_tolerance(sampler.dtype, torch.bfloat16)
+result = {"tolerance": tolerance}
+
+def draw():
+    for i, p in enumerate(prompts):
+        sampler.add(i, p, 64, temperature=1.0, seed=100 + i)
+    done = {}
+    while sampler.has_work():
+        done.update(sampler.step())
+    return [done[i].token_ids for i in range(len(prompts))]
+
+def gap(model):
+    engine, ours = torch.tensor(sampler.score(probe)), handoff.sequence_logprobs(model, probe)
+    return (engine - ours).abs().mean().item()
+
+before = draw()  # (b): seeded, then sleep, a hand-off of the same weights, wake, the same requests
+sampler.sleep()
+handoff.hand_off(acc, trainer, sampler)
+result["same_tokens"] = draw() == before
+result["tokens"] = sum(map(len, before))
+result["gap"] = gap(trainer)  # (c): the hand-off check's measure, bf16 engine against the bf16 trainer
+peft = lora.add_adapter(trainer, 8, 16.0, lora.DEFAULT_TARGETS, 0.0, 0)  # (a): LoRA after a level-2 sleep
+with torch.no_grad():
+    for layer in lora.adapted_modules(peft).values():
+        layer.lora_B[lora.ADAPTER].weight.normal_(0, 0.02)
+sampler.sleep()
+try:
+    sampler.update_weights(lora.merged_weights(peft, sampler.dtype), partial=True)
+    result["partial_refused"] = False
+except RuntimeError:
+    result["partial_refused"] = True
+handoff.hand_off(acc, peft, sampler)  # every weight: the engine discarded its own
+result["lora_gap"] = gap(peft)
+result["lora_check"] = handoff.check_handoff(sampler.score(probe), handoff.sequence_logprobs(peft, probe), tolerance)
+sampler.close()
+open(out, "w").write(json.dumps(result))
+"""
+
+
+def vllm_probe(work: Path, files: dict, env: dict) -> dict | None:
+    """VLLM_PROBE's measurements, run once (each line below reads its own); None if the process failed."""
+    out = work / "vllm_probe.json"
+    if not out.is_file():
+        script, log = work / "vllm_probe.py", work / "vllm_probe.log"
+        script.write_text(VLLM_PROBE)
+        with open(log, "w") as err:
+            done = subprocess.run([sys.executable, str(script), str(files["model"]), str(out)], cwd=ROOT, env=env,
+                                  stdout=err, stderr=err, timeout=300)
+        if done.returncode != 0:
+            print(log.read_text()[-4000:])
+            return None
+    return json.loads(out.read_text())
+
+
+def lora_after_sleep(work: Path, files: dict, env: dict) -> tuple[str, str | None]:
+    """A LoRA hand-off after a level-2 sleep: the merged layers alone are refused, every weight passes the check."""
+    r = vllm_probe(work, files, env)
+    if r is None:
+        return "lora     after sleep: the vLLM probe failed", "the vLLM probe failed"
+    line = (f"lora     after a level-2 sleep: partial hand-off {'refused' if r['partial_refused'] else 'ACCEPTED'}, "
+            f"every weight sent, gap {r['lora_gap']:.3g} (tolerance {r['tolerance']:g})")
+    bad = r["lora_check"] or (None if r["partial_refused"] else "a partial hand-off after a discard was accepted")
+    return line, bad and f"LoRA after sleep: {bad}"
+
+
+def seeded_across_sleep(work: Path, files: dict, env: dict) -> tuple[str, str | None]:
+    """Seeded requests, then sleep, a hand-off of the same weights and wake: the same tokens, token for token."""
+    r = vllm_probe(work, files, env)
+    if r is None:
+        return "seeded   across sleep: the vLLM probe failed", "the vLLM probe failed"
+    line = (f"seeded   generate, sleep, hand-off of the same weights, wake: {r['tokens']} tokens "
+            + ("equal" if r["same_tokens"] else "DIFFER"))
+    return line, None if r["same_tokens"] else "seeded tokens changed across a sleep and a reload"
+
+
+def handoff_gap(work: Path, files: dict, env: dict) -> tuple[str, str | None]:
+    """The hand-off check's measured gap on this GPU (bf16 engine, bf16 trainer) beside its tolerance."""
+    r = vllm_probe(work, files, env)
+    if r is None:
+        return "hand-off gap: the vLLM probe failed", "the vLLM probe failed"
+    line = f"hand-off gap {r['gap']:.3g} per token on the GPU (tolerance {r['tolerance']:g}, calibrated on CPU)"
+    return line, None if r["gap"] <= r["tolerance"] else f"hand-off gap {r['gap']:.3g} over its tolerance"
+
+
+GPU_CHECKS = [  # each (work, files, env) -> (its line, a problem or None); on --cpu each is named as skipped
+    lora_after_sleep,
+    seeded_across_sleep,
+    handoff_gap,
+]
+
+
+def gpu_checks(mode: str, work: Path, files: dict, env: dict) -> None:
+    """Run GPU_CHECKS and print their lines (on the CPU, and without vLLM: name them skipped); stop on a problem."""
+    problems = []
+    for check in GPU_CHECKS:
+        if mode == "cpu" or importlib.util.find_spec("vllm") is None:
+            print(f"skipped  {check.__name__}: " + ("needs a GPU" if mode == "cpu" else "vLLM is not installed"))
+            continue
+        line, problem = check(work, files, env)
+        print(line)
+        problems += [problem] if problem else []
+    if problems:
+        raise SystemExit("gpu smoke: FAIL: " + "; ".join(problems))
 
 
 def report(work: Path, mode: str, sizes: dict, sft_lengths_: list[int], wall: float, tool: str = "") -> None:

@@ -170,3 +170,36 @@ def test_the_gpu_version_passes_within_its_time_limit():
                           timeout=gpu_smoke.TIME_LIMIT_S["gpu"] + 60)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip().endswith("gpu smoke: PASS")
+
+
+def test_the_vllm_lines_are_named_skipped_on_the_cpu(tmp_path, capsys):
+    """--cpu: each GPU-only vLLM line says it was skipped, and nothing is run."""
+    gpu_smoke.gpu_checks("cpu", tmp_path, {}, {})
+    out = capsys.readouterr().out.splitlines()
+    for name in ("lora_after_sleep", "seeded_across_sleep", "handoff_gap"):
+        assert f"skipped  {name}: needs a GPU" in out
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("change, message", [
+    ({}, None),
+    ({"same_tokens": False}, "seeded tokens changed across a sleep and a reload"),
+    ({"gap": 0.2}, "hand-off gap 0.2 over its tolerance"),
+    ({"partial_refused": False}, "LoRA after sleep: a partial hand-off after a discard was accepted"),
+    ({"lora_check": "the sampler's log-probs differ"}, "LoRA after sleep: the sampler's log-probs differ"),
+])
+def test_the_vllm_lines_judge_the_probe_s_measurements(tmp_path, capsys, monkeypatch, change, message):
+    """On a GPU with vLLM the three lines read one probe's measurements (written here as the probe writes them) and
+    the check fails on tokens that changed across a sleep, a gap over the tolerance, or LoRA's hand-off after a
+    discard going wrong."""
+    measured = {"tolerance": 0.1, "same_tokens": True, "tokens": 192, "gap": 0.012, "partial_refused": True,
+                "lora_gap": 0.015, "lora_check": None, **change}
+    (tmp_path / "vllm_probe.json").write_text(json.dumps(measured))
+    monkeypatch.setattr(gpu_smoke.importlib.util, "find_spec", lambda name: object())
+    if message is None:
+        gpu_smoke.gpu_checks("gpu", tmp_path, {}, {})
+    else:
+        with pytest.raises(SystemExit, match=message):
+            gpu_smoke.gpu_checks("gpu", tmp_path, {}, {})
+    out = capsys.readouterr().out
+    assert "192 tokens" in out and f"gap {measured['gap']:g} per token on the GPU (tolerance 0.1" in out
