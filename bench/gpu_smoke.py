@@ -451,9 +451,10 @@ from samplers.vllm_engine import VLLMSampler
 
 path, out = sys.argv[1], sys.argv[2]
 tok = AutoTokenizer.from_pretrained(path)
-trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU: only to try the script itself
+trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
 sampler = VLLMSampler(path, tok, seed=0, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.3)
-acc = types.SimpleNamespace(unwrap_model=lambda m: m, device=torch.device("cuda"))
+acc = types.SimpleNamespace(unwrap_model=lambda m: m, device=device)
 probe = tok.encode("Compute 12*34 with Python, then give the answer in a box.", add_special_tokens=False) * 8
 prompts = [probe[:40], probe[7:60], probe[3:25]]
 tolerance = handoff.handoff_tolerance(sampler.dtype, torch.bfloat16)

@@ -15,7 +15,9 @@ the output layer), `lora_dropout`, and `lora_from`: a saved adapter to continue 
 
 What leaves the trainer:
 - the sampler gets W' of the adapted layers only (`merged_weights`): the engine decodes a plain model at full speed
-  and holds the rest as it loaded it from `model_path`, which LoRA never changes (plumbing/handoff.py);
+  and keeps the rest, which LoRA never changes; an engine that discarded its weights (vLLM asleep at level 2, or
+  started from dummy weights) gets every weight instead, the frozen ones as the trainer holds them
+  (`handoff.every_lora_weight`);
 - `model/` is the whole model with every W' merged, in the checkpoint's dtype (`merged_state_dict`), so the next
   stage and eval.py read it like any checkpoint; `adapter/` is the adapter in PEFT's own format
   (adapter_config.json, adapter_model.safetensors), for `PeftModel.from_pretrained` or the next stage's `lora_from`;
