@@ -20,7 +20,8 @@ while the others keep generating (the report's asynchronous tool dispatch, §3, 
   with top_p = 1, where the two agree. temperature = 0 means greedy decoding, with log-probs at temperature 1.
 - `update_weights(model)` loads the trainer's new policy weights (an nn.Module with HF parameter names, or an
   iterable of (name, tensor)), between rollouts; `partial=True`: the pairs are only the weights that changed (LoRA's
-  merged layers, plumbing/lora.py), the others keep what the sampler holds.
+  merged layers, plumbing/lora.py), the others keep what the sampler holds. A sampler that may lose its weights
+  between rollouts (VLLMSampler asleep at level 2) says so with `missing_weights`, and then gets every weight.
 - `score(token_ids)` = log softmax(logits)[token] of tokens 1..T-1, temperature 1, computed the way the sampler
   generates (its weights, its dtype, its cached keys and values). After each update the trainer compares it with
   its own forward pass (plumbing/handoff.py): a sampler still generating from old weights is caught, not trained on.

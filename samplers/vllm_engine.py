@@ -208,16 +208,24 @@ class VLLMSampler:
         weights = model.state_dict().items() if isinstance(model, torch.nn.Module) else model
         self.wake_up(tags=["weights"])  # the KV cache wakes only after the load: lower peak memory
         # partial: the layers left out keep their weights, as a partial update wants; after a discard: none may be
-        untouched = QuietUntouchedLayers() if partial else UntouchedLayers() if self.weights_dropped else None
-        logging.getLogger(RELOAD_LOGGER).addFilter(untouched) if untouched else None
+        if partial:
+            untouched, loggers = QuietUntouchedLayers(), [RELOAD_LOGGER]
+        elif self.weights_dropped:
+            untouched, loggers = UntouchedLayers(), [RELOAD_LOGGER, RELOAD_DONE_LOGGER]
+        else:
+            untouched, loggers = None, []
+        for name in loggers:
+            logging.getLogger(name).addFilter(untouched)
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
                                                               "is_checkpoint_format": True})
         finally:
-            logging.getLogger(RELOAD_LOGGER).removeFilter(untouched) if untouched else None
+            for name in loggers:
+                logging.getLogger(name).removeFilter(untouched)
         if isinstance(untouched, UntouchedLayers) and untouched.layers:
-            raise RuntimeError(f"update_weights: the engine's weights were discarded and {len(untouched.layers)} "
-                               f"layers got none ({', '.join(sorted(set(untouched.layers)))}): send every weight")
+            missing = sorted(set(untouched.layers))
+            raise RuntimeError(f"update_weights: the engine's weights were discarded and these got none: "
+                               f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}; send every weight")
         self.weights_dropped = False
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.wake_up(tags=["kv_cache"])
@@ -263,22 +271,27 @@ class QuietUntouchedLayers(logging.Filter):
 
 
 class UntouchedLayers(logging.Filter):
-    """During an update after the weights were discarded, records (and holds back) vLLM's "Failed to load
-    weights" line of every layer that got none: `update_weights` turns them into one error, since such a layer
-    holds whatever the woken memory held."""
+    """During an update after the weights were discarded, records (and holds back) what vLLM's reload logs of the
+    weights it got none for: each layer's "Failed to load weights" (RELOAD_LOGGER) and the parameters it names
+    after the load (RELOAD_DONE_LOGGER). `update_weights` turns them into one error, since such a weight holds
+    whatever the woken memory held."""
 
     def __init__(self):
         super().__init__()
         self.layers: list[str] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg != "%s: Failed to load weights":
+        if record.msg == "%s: Failed to load weights":
+            self.layers.append(str(record.args[0]) if record.args else "?")
+        elif record.msg == "Following weights were not loaded from checkpoint: %s":
+            self.layers += sorted(record.args[0]) if record.args else ["?"]
+        else:
             return True
-        self.layers.append(str(record.args[0]) if record.args else "?")
         return False
 
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+RELOAD_DONE_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
 
 
 def build_engine(group_timeout_s: float | None = None, **kwargs):

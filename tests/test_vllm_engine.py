@@ -329,6 +329,10 @@ def test_an_engine_from_dummy_weights_takes_every_weight_at_the_start_and_sample
             model = lora.add_adapter(model, 4, 8.0, lora.DEFAULT_TARGETS, 0.0, 0)
             with pytest.raises(RuntimeError, match="partial=True"):
                 dummy.update_weights(lora.merged_weights(model, dummy.dtype), partial=True)
+        else:  # a full update that misses some weights: one error naming them, not vLLM's warning
+            with pytest.raises(RuntimeError, match=r"discarded and these got none: .*norm.*; send every weight"):
+                dummy.update_weights([(n, t) for n, t in model.state_dict().items() if "norm" not in n])
+            assert dummy.missing_weights
         dummy.update_weights(every_lora_weight(model, "cpu", dummy.dtype) if adapter else model)
         assert not dummy.missing_weights
         assert check_handoff(torch.tensor(dummy.score(probe)), trainer, HANDOFF_TOLERANCE[dummy.dtype]) is None
