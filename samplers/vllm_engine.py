@@ -21,7 +21,7 @@ import torch
 from protocol import IM_END
 from samplers.interface import Completion
 
-# The oldest vLLM whose behaviour this file relies on (docs/real_scale.md, "The vLLM floor"): the layer-wise in-place
+# The oldest vLLM whose behaviour this file relies on (docs/real_scale.md, "The vLLM engine"): the layer-wise in-place
 # reload behind collective_rpc("reload_weights", weights_iterator=...), sleep level 2 keeping and restoring the model's
 # buffers, the CUDA graphs in the sleep pool (SLEEP_OFFLOAD_CUDAGRAPH) and typed prompts from the engine's renderer.
 VLLM_MIN_VERSION = (0, 32)
@@ -59,10 +59,9 @@ class VLLMSampler:
     that free (`request_memory`, vllm/v1/worker/utils.py); its KV cache is that share less its weights, its profile
     run's peak and its CUDA graphs (`Worker.determine_available_memory`, vllm/v1/worker/gpu_worker.py). With sleep
     mode, `sleep()` after a rollout uses level 2: the weights and the KV cache are discarded (level 1 would copy the
-    weights to CPU RAM; nothing needs them here, since the next hand-off sends every weight: `missing_weights`); at
-    either level the
-    engine's runtime buffers and its pool tagged "cudagraph" are copied to CPU RAM (`CuMemBackend.suspend`,
-    vllm/device_allocator/sleep_mode_backend.py), and what it allocated outside its pools stays (communicators'
+    weights to CPU RAM; nothing needs them here, since the next hand-off sends every weight: `missing_weights`);
+    at either level the engine's runtime buffers and its pool tagged "cudagraph" are copied to CPU RAM
+    (`CuMemBackend.suspend`, vllm/device_allocator/sleep_mode_backend.py), and what it allocated outside its pools stays (communicators'
     buffers, FlashInfer's workspace, the model runner's persistent inputs). The CUDA graphs are captured into that
     pool only with `sleep_mode_offload_cudagraph=True` (an engine argument in vLLM 0.32 and 0.33, default False;
     `VllmConfig.use_cumem_cudagraph_pool`, vllm/config/vllm.py, and `capture_pool`,
@@ -73,9 +72,10 @@ class VLLMSampler:
     loads all of them, releases again and wakes the KV cache last: the lowest peak. Generating after `sleep()`
     without an update in between is refused (the weights are gone), and so is a partial update then: the layers
     it leaves out would keep whatever the woken memory holds. An engine built with `load_format="dummy"` (vLLM's
-    random weights, no checkpoint read) is in the same state until its first update. Platforms without sleep mode (vLLM's CPU build)
-    keep everything resident and `sleep()` does nothing. PYTORCH_CUDA_ALLOC_CONF is left alone: vLLM turns
-    expandable segments off itself while it allocates in its pools (`CuMemAllocator.use_memory_pool`).
+    random weights, no checkpoint read) is in the same state until its first update. Platforms without sleep mode
+    (vLLM's CPU build) keep everything resident and `sleep()` does nothing. PYTORCH_CUDA_ALLOC_CONF is left
+    alone: vLLM turns expandable segments off itself while it allocates in its pools
+    (`CuMemAllocator.use_memory_pool`).
 
     One engine per training rank: under `torchrun` / `accelerate launch` pass `distributed_executor_backend=
     "external_launcher"` and a per-rank seed (train.py does), and each rank's engine takes the rank's own device.

@@ -43,8 +43,9 @@ what train.py does:
   frozen weights from the trainer's own copy on the GPU, the adapted layers merged (plumbing/handoff.py), where
   level 1 would keep the whole model in host RAM (~16 GB per GPU at 8B in bf16) to restore weights that the
   trainer holds anyway (docs/method.md, section 10). Since every hand-off after a sleep, and the one at the start,
-  sends every weight, the engine starts from vLLM's dummy weights and reads no checkpoint (`engine_start_line`). `HFSampler` under FSDP
-  holds its own bf16 copy and a KV buffer per slot; without FSDP it decodes with the trainer's own model.
+  sends every weight, the engine starts from vLLM's dummy weights and reads no checkpoint (`engine_start_line`).
+  `HFSampler` under FSDP holds its own bf16 copy and a KV buffer per slot; without FSDP it decodes with the
+  trainer's own model.
 SFT (`sft_memory_per_gpu`, FSDP2 launches): the same fp32 state and gathered groups; SFT's loss keeps more of the
 logits (SFT_LOGITS_BYTES); and FSDP2's reduce-scatter transient (`reduce_scatter_bytes`: the largest group's bf16
 gradient and its fp32 copy, 4.7 GB at 14B), which the RL update's estimate does not count yet.
