@@ -61,9 +61,9 @@ class VLLMSampler:
     mode, `sleep()` after a rollout uses level 2: the weights and the KV cache are discarded (level 1 would copy the
     weights to CPU RAM; nothing needs them here, since the next hand-off sends every weight: `missing_weights`);
     at either level the engine's runtime buffers and its pool tagged "cudagraph" are copied to CPU RAM
-    (`CuMemBackend.suspend`, vllm/device_allocator/sleep_mode_backend.py), and what it allocated outside its pools stays (communicators'
-    buffers, FlashInfer's workspace, the model runner's persistent inputs). The CUDA graphs are captured into that
-    pool only with `sleep_mode_offload_cudagraph=True` (an engine argument in vLLM 0.32 and 0.33, default False;
+    (`CuMemBackend.suspend`, vllm/device_allocator/sleep_mode_backend.py), and what it allocated outside its
+    pools stays (communicators' buffers, FlashInfer's workspace, the model runner's persistent inputs). The CUDA
+    graphs are captured into that pool only with `sleep_mode_offload_cudagraph=True` (an engine argument in vLLM 0.32 and 0.33, default False;
     `VllmConfig.use_cumem_cudagraph_pool`, vllm/config/vllm.py, and `capture_pool`,
     vllm/compilation/cudagraph_pool.py); otherwise they go to torch's own graph pool, which sleep does not touch,
     so they would stay on the GPU. `build_engine` turns it on wherever sleep mode is on and vLLM has the argument
