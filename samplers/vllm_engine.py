@@ -59,23 +59,22 @@ class VLLMSampler:
     that free (`request_memory`, vllm/v1/worker/utils.py); its KV cache is that share less its weights, its profile
     run's peak and its CUDA graphs (`Worker.determine_available_memory`, vllm/v1/worker/gpu_worker.py). With sleep
     mode, `sleep()` after a rollout uses level 2: the weights and the KV cache are discarded (level 1 would copy the
-    weights to CPU RAM; nothing needs them here, since the next hand-off sends every weight: `missing_weights`);
-    at either level the engine's runtime buffers and its pool tagged "cudagraph" are copied to CPU RAM
-    (`CuMemBackend.suspend`, vllm/device_allocator/sleep_mode_backend.py), and what it allocated outside its
-    pools stays (communicators' buffers, FlashInfer's workspace, the model runner's persistent inputs). The CUDA
-    graphs are captured into that pool only with `sleep_mode_offload_cudagraph=True` (an engine argument in vLLM 0.32 and 0.33, default False;
-    `VllmConfig.use_cumem_cudagraph_pool`, vllm/config/vllm.py, and `capture_pool`,
-    vllm/compilation/cudagraph_pool.py); otherwise they go to torch's own graph pool, which sleep does not touch,
-    so they would stay on the GPU. `build_engine` turns it on wherever sleep mode is on and vLLM has the argument
-    (`SLEEP_OFFLOAD_CUDAGRAPH`). `update_weights` hands torch's cached blocks back
-    to the driver (`release_cached_memory`), wakes the weights (the runtime and graph pools come back with them),
-    loads all of them, releases again and wakes the KV cache last: the lowest peak. Generating after `sleep()`
-    without an update in between is refused (the weights are gone), and so is a partial update then: the layers
-    it leaves out would keep whatever the woken memory holds. An engine built with `load_format="dummy"` (vLLM's
-    random weights, no checkpoint read) is in the same state until its first update. Platforms without sleep mode
-    (vLLM's CPU build) keep everything resident and `sleep()` does nothing. PYTORCH_CUDA_ALLOC_CONF is left
-    alone: vLLM turns expandable segments off itself while it allocates in its pools
-    (`CuMemAllocator.use_memory_pool`).
+    weights to CPU RAM; nothing needs them here, since the next hand-off sends every weight: `missing_weights`); at
+    either level the engine's runtime buffers and its pool tagged "cudagraph" are copied to CPU RAM
+    (`CuMemBackend.suspend`, vllm/device_allocator/sleep_mode_backend.py), and what it allocated outside its pools
+    stays (communicators' buffers, FlashInfer's workspace, the model runner's persistent inputs). The CUDA graphs
+    are captured into that pool only with `sleep_mode_offload_cudagraph=True` (an engine argument in vLLM 0.32 and
+    0.33, default False; `VllmConfig.use_cumem_cudagraph_pool`, vllm/config/vllm.py, and `capture_pool`,
+    vllm/compilation/cudagraph_pool.py); otherwise they go to torch's own graph pool, which sleep does not touch, so
+    they would stay on the GPU. `build_engine` turns it on wherever sleep mode is on and vLLM has the argument
+    (`SLEEP_OFFLOAD_CUDAGRAPH`). `update_weights` hands torch's cached blocks back to the driver
+    (`release_cached_memory`), wakes the weights (the runtime and graph pools come back with them), loads all of
+    them, releases again and wakes the KV cache last: the lowest peak. Generating after `sleep()` without an update
+    in between is refused (the weights are gone), and so is a partial update then: the layers it leaves out would
+    keep whatever the woken memory holds. An engine built with `load_format="dummy"` (vLLM's random weights, no
+    checkpoint read) is in the same state until its first update. Platforms without sleep mode (vLLM's CPU build)
+    keep everything resident and `sleep()` does nothing. PYTORCH_CUDA_ALLOC_CONF is left alone: vLLM turns
+    expandable segments off itself while it allocates in its pools (`CuMemAllocator.use_memory_pool`).
 
     One engine per training rank: under `torchrun` / `accelerate launch` pass `distributed_executor_backend=
     "external_launcher"` and a per-rank seed (train.py does), and each rank's engine takes the rank's own device.
