@@ -12,7 +12,8 @@ Report", arXiv 2508.20722, §2; in our words: docs/method.md, section 3):
 3. `group_advantages`: A_i = (r_i - mean) / (std + 1e-6) per group of G, std unbiased (n - 1).
    `select_step` is the three on one step's scores (phases 4-6 of train.py): every rank computes it alike from the
    gathered numbers of every rollout, so a group's rollouts need not have been sampled on one rank.
-4. `policy_loss`: token-level clipped surrogate (DAPO-style, clip 0.2 / 0.28), summed over all unmasked
+4. `policy_loss`: token-level clipped surrogate (DAPO-style, clip 0.2 / 0.28, which binds only with more than one
+   optimizer step per RL step: see `policy_loss`), summed over all unmasked
    tokens and divided by the token count of the whole optimizer step (`normaliser`), so micro-batches and
    data-parallel ranks add up to exactly the big-batch gradient. verl's current `agg_loss` does the same (it
    divides by the step's token count over all ranks and multiplies by the data-parallel size); its legacy path,
@@ -256,6 +257,11 @@ def policy_loss(logp, old_logp, advantages, loss_mask, clip_low=0.2, clip_high=0
       `sequence_mask_weights`), each multiplying its token's loss; the normaliser stays the same. None: no
       correction (the report's loss).
     Returns (scalar loss, {"clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean", "approx_kl"}).
+
+    The clip binds only where logp has moved away from old_logp. With one optimizer step per RL step (every shipped
+    config: updates_per_step 1) the caller's old_logp is logp itself, detached, so the ratio is 1 at every token,
+    the loss's gradient is -A / normaliser per token, and clip_low, clip_high and dual_clip change nothing: the
+    update is plain on-policy policy gradient. They act from the second optimizer step of an RL step on.
     """
     token_loss, log_ratio = _token_loss(logp, old_logp, advantages, loss_mask, clip_low, clip_high, dual_clip,
                                         is_weights)

@@ -10,7 +10,7 @@ and saved next to its outputs with `save_config`.
 
 A YAML file may start from others: `base: rl.yaml` (or a list), paths relative to the file. The bases are read
 first, in order, then the file's own keys override them; configs/tiny/stage{1,2,3}.yaml hold only what differs from
-configs/tiny/rl.yaml. `--help` lists every field with its type, default and comment (`field_help`).
+configs/tiny/rl.yaml. `--help` lists every field with its type, default, range and whole comment (`field_help`).
 
 Types are checked here; the allowed range of each numeric field is a small table next to each dataclass
 ({field: "> 0"}, checked by `check_ranges` before the entry point does any work), so `lr=nan`, `steps=-5` or
@@ -162,16 +162,25 @@ def check_ranges(cfg, ranges: dict[str, str]) -> list[str]:
     return problems
 
 
-def field_help(cls) -> str:
-    """Every field of `cls`: name, type, default and the comment on its line in the source, under the
-    `# --- group` banners of the dataclass (the source is the one place the comments live)."""
+def field_help(cls, ranges: dict[str, str] | None = None) -> str:
+    """Every field of `cls`: name, type, default, its allowed values and the whole comment on its line in the source
+    (with the comment-only lines under it, indented past the field's name), under the `# --- group` banners of the
+    dataclass (the source is the one place the comments live). ranges: {field: rule} as `check_ranges` reads it;
+    None: the `RANGES` table of the module that defines `cls`, where it has one."""
+    if ranges is None:
+        ranges = getattr(inspect.getmodule(cls), "RANGES", {})
     comments, groups = {}, {}
-    group = None
+    group = last_field = None
     for line in inspect.getsource(cls).splitlines():
         if m := re.match(r"\s*# -+ (.+)", line):
-            group = m.group(1).strip()
-        elif m := re.match(r"\s*(\w+):[^#]*(?:#\s*(.*))?$", line):
-            comments[m.group(1)], groups[m.group(1)] = (m.group(2) or "").strip(), group
+            group, last_field = m.group(1).strip(), None
+        elif last_field and (m := re.match(r"( *)#\s*(.*)$", line)) and len(m.group(1)) > field_indent:
+            comments[last_field] += " " + m.group(2).strip()  # a continuation of the field's comment
+        elif m := re.match(r"( *)(\w+):[^#]*(?:#\s*(.*))?$", line):
+            field_indent, last_field = len(m.group(1)), m.group(2)
+            comments[last_field], groups[last_field] = (m.group(3) or "").strip(), group
+        else:
+            last_field = None
     hints = typing.get_type_hints(cls)
     out, last = [], object()
     for f in dataclasses.fields(cls):
@@ -179,7 +188,8 @@ def field_help(cls) -> str:
             last = groups.get(f.name)
             out.append(f"\n{last}:" if last else "")
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        out.append(f"  {f.name} ({_type_name(hints[f.name])}, default {default!r})"
+        allowed = f", {ranges[f.name]}" if f.name in ranges else ""
+        out.append(f"  {f.name} ({_type_name(hints[f.name])}, default {default!r}{allowed})"
                    + (f"\n      {comments[f.name]}" if comments.get(f.name) else ""))
     return "\n".join(out).lstrip("\n")
 

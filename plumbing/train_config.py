@@ -2,6 +2,8 @@
 of the numeric ones, the keys a resume may change freely, the config checks made before any work (`validate`,
 against the algorithm's tables of options), the input check that needs the tokenizer, and the dry run's plan."""
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 
 from code_tool import ERROR_FORMATS
@@ -43,16 +45,21 @@ class TrainConfig:
     prompts_per_step: int = 512           # B (over all ranks)
     rollouts_per_prompt: int = 32         # 2G sampled per prompt
     group_size: int = 16                  # G kept per prompt after RoC
-    roc_mode: str = "sample"              # sample (report) | lowest (public code) | off (plain GRPO: keep all 2G)
+    roc_mode: str = "sample"              # a key of grpo_roc.ROC_SELECTORS: sample (report) | lowest (public code)
+                                          # | off (plain GRPO: keep all 2G)
     loss_agg: str = "token"               # token (report, DAPO-style) | sequence (original GRPO), for ablations
-    clip_low: float = 0.2                 # epsilon_low
-    clip_high: float = 0.28               # epsilon_high (clip-higher)
-    dual_clip: float | None = None        # verl's 3.0 for A < 0; not in the report
+    clip_low: float = 0.2                 # epsilon_low; binds only when updates_per_step > 1: with one
+                                          # optimizer step the old log-probs are the update's own, detached, so
+                                          # the ratio is 1 at every token and no clip acts (the shipped configs)
+    clip_high: float = 0.28               # epsilon_high (clip-higher); as clip_low, only when updates_per_step > 1
+    dual_clip: float | None = None        # verl's 3.0 for A < 0; not in the report; as clip_low, only when
+                                          # updates_per_step > 1
     # --- engine-trainer mismatch (beyond the report; docs/method.md §9): always measured, corrected when asked
     mismatch_correction: str = "off"      # off (report) | tis (token-level truncated IS) | seq_mask (geometric band)
     mismatch_tis_cap: float = 2.0         # tis: C in min(pi_old / pi_sampler, C) (verl's default 2; TRL's 3)
     mismatch_seq_low: float = 0.999       # seq_mask: a rollout whose geometric-mean ratio pi_old / pi_sampler is
-    mismatch_seq_high: float = 1.001      # seq_mask: below low or above high is dropped (verl's geometric preset)
+                                          # below this is dropped (verl's geometric preset)
+    mismatch_seq_high: float = 1.001      # seq_mask: a rollout whose geometric-mean ratio is above this is dropped
     # --- rollout (report §2 and §4)
     max_response_tokens: int = 8192       # total response budget: 8K / 12K / 12K in stages 1 / 2 / 3
     max_turns: int = 10                   # assistant turns: 10 / 10 / 15 in stages 1 / 2 / 3
@@ -91,7 +98,9 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     grad_clip: float = 1.0
-    updates_per_step: int = 1             # optimizer steps (mini-batches) per RL step; >1 makes the clip matter
+    updates_per_step: int = 1             # optimizer steps (mini-batches) per RL step; 1: on policy, the ratio is
+                                          # 1 and the clips never bind; > 1: mini-batches after the first see a
+                                          # moved policy against the step's old log-probs, and the clips act
     max_tokens_per_micro_batch: int = 0   # tokens per forward/backward, rollouts packed (update_plan.py); 0: micro-
                                           # batches of micro_batch_size rollouts, padded
     micro_batch_size: int = 4             # rollouts per forward/backward when max_tokens_per_micro_batch is 0
@@ -188,11 +197,25 @@ def plan_lines(cfg: TrainConfig, world: int) -> list[str]:
     return lines + engine_lines(cfg, world) + memory_lines(cfg, world)
 
 
+def unbound_clip(cfg: TrainConfig) -> str:
+    """Why the configured clips cannot act ("" where they can): with updates_per_step 1 the update's old log-probs
+    are its own log-probs, detached (train.update_policy), so the ratio is 1 at every token."""
+    if cfg.updates_per_step > 1:
+        return ""
+    clips = f"clip_low={cfg.clip_low}, clip_high={cfg.clip_high}" + (
+        f", dual_clip={cfg.dual_clip}" if cfg.dual_clip is not None else "")
+    return (f"updates_per_step=1: the ratio pi / pi_old is 1 at every token (on policy), so {clips} never bind; "
+            "set updates_per_step > 1 for the clip to act")
+
+
 def validate(cfg: TrainConfig, world: int) -> None:
-    """Config errors that need no files, raised before any work."""
+    """Config errors that need no files, raised before any work; a clip that cannot bind is a warning (one line on
+    stderr, from the first process)."""
+    if (note := unbound_clip(cfg)) and os.environ.get("RANK", "0") == "0":
+        print(f"config warning: {note}", file=sys.stderr, flush=True)
     problems = check_ranges(cfg, RANGES) + lora.check_config(cfg)
     if cfg.roc_mode not in ROC_SELECTORS:
-        problems.append(f"roc_mode must be sample, lowest or off, got {cfg.roc_mode!r}")
+        problems.append(f"roc_mode must be one of {list(ROC_SELECTORS)}, got {cfg.roc_mode!r}")
     if cfg.roc_mode == "off" and cfg.group_size != cfg.rollouts_per_prompt:
         problems.append("roc_mode=off keeps every rollout: set group_size == rollouts_per_prompt")
     if cfg.claim_size > cfg.rollouts_per_prompt:

@@ -12,6 +12,7 @@ import pytest
 from plumbing import accel
 import sft
 import train
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "run_accel.py"
@@ -29,7 +30,7 @@ def launch(config: str, mode: str, out: Path, port: int, extra_env: dict | None 
 
 
 def test_the_prepared_model_gathers_in_bf16_and_reduces_gradients_in_fp32(tmp_path):
-    done, ranks = launch("configs/accelerate/fsdp_1node_8gpu.yaml", "policy", tmp_path, 29651, {"CPU_FSDP": "1"})
+    done, ranks = launch("configs/accelerate/fsdp_1node_8gpu.yaml", "policy", tmp_path, free_port(), {"CPU_FSDP": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in ranks:
         assert rank["distributed_type"] == "DistributedType.FSDP"
@@ -41,7 +42,7 @@ def test_the_prepared_model_gathers_in_bf16_and_reduces_gradients_in_fp32(tmp_pa
 def test_accelerate_s_own_policy_would_reduce_in_bf16(tmp_path):
     """The contrast: the Accelerator train.py and sft.py built before plumbing/accel.py (Accelerate's policy from
     mixed_precision=bf16) reduce-scatters gradients in bf16."""
-    done, ranks = launch("configs/accelerate/fsdp_1node_8gpu.yaml", "default-policy", tmp_path, 29652,
+    done, ranks = launch("configs/accelerate/fsdp_1node_8gpu.yaml", "default-policy", tmp_path, free_port(),
                          {"CPU_FSDP": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert {tuple(v) for r in ranks for v in r["policy"].values()} == {("torch.bfloat16", "torch.bfloat16")}
@@ -51,7 +52,7 @@ def test_a_no_grad_forward_leaves_the_output_group_gathered_and_reshard_frees_it
     """Accelerate shards the final norm and lm_head (tied: with the embedding) with reshard_after_forward=False, so a
     no-grad forward (handoff.verify_handoff's) leaves them gathered in bf16 on every rank, unsharded size; the backward
     frees them, and so does accel.reshard, after which a forward gathers them again and gives the same logits."""
-    done, ranks = launch("configs/accelerate/fsdp_1node_8gpu.yaml", "reshard", tmp_path, 29654, {"CPU_FSDP": "1"})
+    done, ranks = launch("configs/accelerate/fsdp_1node_8gpu.yaml", "reshard", tmp_path, free_port(), {"CPU_FSDP": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(ranks) == 2
     from tiny.model import build_tokenizer
@@ -76,7 +77,7 @@ def test_reshard_and_gathered_parameters_do_nothing_without_fsdp():
 
 def test_the_timeout_reaches_the_process_group(tmp_path):
     """timeout_s=3: rank 0 gives up on a collective rank 1 joins 12 s late, after about 3 s, with gloo's timeout."""
-    done, ranks = launch("configs/accelerate/cpu_2proc.yaml", "timeout", tmp_path, 29653, mixed="no")
+    done, ranks = launch("configs/accelerate/cpu_2proc.yaml", "timeout", tmp_path, free_port(), mixed="no")
     assert ranks, done.stderr[-3000:]
     first = ranks[0]
     assert first["error"] is not None and "timed out" in first["error"].lower(), first

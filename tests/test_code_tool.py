@@ -17,6 +17,7 @@ import pytest
 
 from sandbox import code_sandbox
 import code_tool
+from plumbing import tool_backends, tool_sandbox
 from sandbox.code_sandbox import CHILD_GC_THRESHOLD, SCRATCH_MB
 from code_tool import CodeTool, Sandbox, SandboxError, ToolResult
 from protocol import cut_middle
@@ -464,7 +465,7 @@ def fallback() -> Sandbox:
 def test_fallback_sandbox_still_contains_escapes(monkeypatch):
     """Without unshare: the /proc walk under a subreaper still removes a setsid() grandchild after the call;
     the call directories are on disk (the default temporary directory), not in RAM under /dev/shm."""
-    monkeypatch.setattr(code_tool, "_PROBED", fallback())
+    monkeypatch.setattr(tool_sandbox, "_PROBED", fallback())
     with CodeTool(workers=1, timeout=TIMEOUT, preload=LIGHT) as t:
         assert t.sandbox == fallback().mode
         assert t.run("import os\nprint(os.getcwd())").stdout.startswith(tempfile.gettempdir() + "/")
@@ -500,7 +501,7 @@ def test_plain_calls_fork_from_a_light_server_and_imports_from_a_heavy_one(tool,
 
 
 def test_heavy_servers_help_with_light_calls_only_where_a_core_may_be_free():
-    pick = code_tool.pick_lane
+    pick = tool_backends.pick_lane
     queued = {"light": 3, "heavy": 1}
     assert pick("heavy", queued, 0, [0.01, 0.02], cores=2, help_after=0.1) == "heavy"  # its own calls first
     assert pick("light", queued, 0, [0.01], cores=2, help_after=0.1) == "light"
@@ -581,7 +582,7 @@ def test_backend_is_chosen_by_name_or_by_what_the_platform_offers(monkeypatch):
 
 
 def test_a_less_isolated_mode_says_so_once_on_stderr(monkeypatch, capfd):
-    monkeypatch.setattr(code_tool, "_ANNOUNCED", set())
+    monkeypatch.setattr(tool_sandbox, "_ANNOUNCED", set())
     for _ in range(2):
         with CodeTool(workers=1, backend="subprocess") as t:
             assert t.backend == "subprocess" and t.run("print(3)").stdout == "3\n"
@@ -596,10 +597,10 @@ def test_a_less_isolated_mode_says_so_once_on_stderr(monkeypatch, capfd):
 def test_require_isolation_refuses_every_mode_but_namespaces(monkeypatch):
     with pytest.raises(SandboxError, match="tool_require_isolation is set, but .* subprocess"):
         CodeTool(workers=1, backend="subprocess", require_isolation=True)
-    if code_tool.probe_servers().mode == "namespaces":
+    if tool_sandbox.probe_servers().mode == "namespaces":
         with CodeTool(workers=1, preload=LIGHT, require_isolation=True) as t:
             assert t.run("print(1)").ok
-    monkeypatch.setattr(code_tool, "_PROBED", fallback())
+    monkeypatch.setattr(tool_sandbox, "_PROBED", fallback())
     with pytest.raises(SandboxError, match=f"tool_require_isolation is set, but .* {fallback().mode}"):
         CodeTool(workers=1, preload=LIGHT, require_isolation=True)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-import code_tool
+from plumbing import tool_sandbox
 from code_tool import CodeTool, Sandbox, ToolResult
 from protocol import last_line
 
@@ -139,7 +139,7 @@ def world(request):
             with pytest.MonkeyPatch.context() as patch:
                 if mode == "fallback":
                     root = os.geteuid() == 0
-                    patch.setattr(code_tool, "_PROBED", Sandbox("fallback-root" if root else "fallback-user",
+                    patch.setattr(tool_sandbox, "_PROBED", Sandbox("fallback-root" if root else "fallback-user",
                                                                 why="unshare failed: (test)"))
                 tool = CodeTool(workers=1, timeout=TIMEOUT, preload=PRELOAD, backend=backend)
             uid, trainer, signals = os.geteuid(), os.getpid(), lambda: len(received)

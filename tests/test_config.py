@@ -131,7 +131,31 @@ def test_help_lists_every_field_with_type_default_and_comment(entry):
     assert out.returncode == 0, out.stderr
     for f in dataclasses.fields(getattr(module, cls)):
         assert f"\n  {f.name} (" in out.stdout, f.name
-    assert "lr (float, default " in out.stdout if entry != "eval" else "samples (int, default 16)" in out.stdout
+    assert "lr (float, default " in out.stdout if entry != "eval" else "samples (int, default 16, >= 1)" in out.stdout
+
+
+def test_help_shows_each_field_s_whole_comment_and_its_range():
+    """A comment continued on the lines under its field is shown whole, on the field's entry; each numeric field
+    shows its allowed values (RANGES)."""
+    from plumbing.config import field_help
+    from plumbing.train_config import RANGES, TrainConfig
+    shown = field_help(TrainConfig)
+    by_name, name = {}, None
+    for line in shown.splitlines():
+        if line.startswith("      "):  # a field's comment, on the line under it
+            by_name[name] = (by_name[name][0], line.strip())
+        elif line.startswith("  "):
+            name = line.split(" (")[0].strip()
+            by_name[name] = (line.strip(), "")
+    assert by_name["fsdp"][1] == ("for dry_run only: the launch shards with FSDP2 (false: python train.py on one GPU, "
+                                  "or a DDP launch)")
+    assert by_name["max_tokens_per_micro_batch"][1].endswith("0: micro- batches of micro_batch_size rollouts, padded")
+    assert by_name["mismatch_seq_low"][1].endswith("pi_old / pi_sampler is below this is dropped (verl's geometric "
+                                                   "preset)")
+    assert by_name["mismatch_seq_low"][0] == "mismatch_seq_low (float, default 0.999, > 0 and <= 1)"
+    assert by_name["lr"][0] == "lr (float, default 1e-06, > 0)"
+    assert all(f"{name} (" in by_name[name][0] and RANGES[name] in by_name[name][0] for name in RANGES)
+    assert by_name["model_path"][0] == "model_path (str, default '')"  # no range: text
 
 
 @pytest.mark.parametrize("entry", ["tiny.pipeline", "tiny.ablation"])
@@ -179,6 +203,21 @@ def test_every_numeric_field_has_a_range_and_the_shipped_configs_are_in_it(entry
     assert len(shipped) >= 2
     for path in shipped:
         assert check_ranges(load_config(cls, [path]), module.RANGES) == [], path
+
+
+@pytest.mark.spec
+def test_validate_warns_once_that_the_clip_cannot_bind_with_one_update(capsys, monkeypatch):
+    from plumbing.train_config import TrainConfig, validate
+    monkeypatch.delenv("RANK", raising=False)
+    validate(TrainConfig(data=["x.jsonl"], prompts_per_step=4, updates_per_step=1, dual_clip=3.0), 1)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("config warning: updates_per_step=1: ")
+    assert "clip_low=0.2, clip_high=0.28, dual_clip=3.0 never bind" in err
+    validate(TrainConfig(data=["x.jsonl"], prompts_per_step=4, updates_per_step=2), 1)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "1")  # the other processes of a launch stay quiet
+    validate(TrainConfig(data=["x.jsonl"], prompts_per_step=4), 1)
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.spec

@@ -10,7 +10,6 @@ numerics of its forward passes; so metrics agree within sampling noise. Problem 
 2 nor 3, and 3 ranks on the one-problem benchmark leave two ranks without a share."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import eval as ev
 from plumbing.data import write_jsonl
 from scripted_policy import say_problems
 from tiny.model import build_tiny
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "run_scripted_eval.py"
@@ -29,12 +29,6 @@ ENV = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE",
 SAMPLES = 4
 # benchmark name -> first N of its "Say N." problems, and their count
 BENCHES = {"a": (1, 7), "b": (20, 5), "c": (40, 1)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(world: int, root: Path, out: Path, seen: Path | None = None, crash_on: str | None = None):

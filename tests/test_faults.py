@@ -15,7 +15,8 @@ import pytest
 
 from plumbing.data import write_jsonl
 from scripted_policy import say_problems
-from test_train_invariance import assert_same_metrics_and_weights, free_port, metrics
+from ports import free_port
+from test_train_invariance import assert_same_metrics_and_weights, metrics
 from tiny.model import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]

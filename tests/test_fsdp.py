@@ -15,6 +15,7 @@ from plumbing.data import write_jsonl
 from samplers.hf import load_named_weights
 from scripted_policy import say_problems
 from tiny.model import build_tiny
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "run_scripted_train.py"
@@ -41,8 +42,8 @@ def train_args(tiny, out, steps):
             "torch_threads=1", "tool_workers=1", "grad_clip=1e6"]
 
 
-def run(cmd, env, port=None):
-    launch = cmd + (["--main_process_port", str(port)] if port else [])
+def run(cmd, env):
+    launch = cmd + ["--main_process_port", str(free_port())]
     return subprocess.run(launch + [str(SCRIPT)] + env.pop("ARGS"), env=env, cwd=ROOT, capture_output=True, text=True)
 
 
@@ -61,7 +62,7 @@ def stage1(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("stage1")
     done = run([sys.executable], {**ENV, "ARGS": train_args(tiny, root / "one", 3)})
     assert done.returncode == 0, done.stderr[-3000:]
-    done = run(FSDP, {**ENV, "CPU_FSDP": "1", "ARGS": train_args(tiny, root / "fsdp", 3)}, port=29641)
+    done = run(FSDP, {**ENV, "CPU_FSDP": "1", "ARGS": train_args(tiny, root / "fsdp", 3)})
     assert done.returncode == 0, done.stderr[-3000:]
     return root / "one", root / "fsdp"
 
@@ -89,7 +90,7 @@ def test_each_fsdp_rank_s_sampler_gets_exactly_the_weights_of_one_process(tiny, 
 
 def test_a_skipped_gather_is_caught_by_the_hand_off_check(tiny, tmp_path):
     out = tmp_path / "skipped"
-    done = run(FSDP, {**ENV, "CPU_FSDP": "1", "SKIP_GATHER": "1", "ARGS": train_args(tiny, out, 2)}, port=29642)
+    done = run(FSDP, {**ENV, "CPU_FSDP": "1", "SKIP_GATHER": "1", "ARGS": train_args(tiny, out, 2)})
     assert done.returncode != 0
     assert "hand-off error at the start: the sampler's log-probs differ from the trainer's by" in done.stderr
     assert not (out / "metrics.jsonl").exists()  # stopped before the first rollout
@@ -136,7 +137,7 @@ def test_sft_under_fsdp_saves_the_whole_model_of_one_process(tiny, tmp_path):
     done = subprocess.run([sys.executable, "sft.py", f"out_dir={one}"] + args, cwd=ROOT, env=ENV,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    done = subprocess.run(FSDP + ["--main_process_port", "29643", "tests/cpu_fsdp.py", "sft.py", f"out_dir={two}"]
+    done = subprocess.run(FSDP + ["--main_process_port", str(free_port()), "tests/cpu_fsdp.py", "sft.py", f"out_dir={two}"]
                           + args, cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     a, b = (AutoModelForCausalLM.from_pretrained(p / "model").state_dict() for p in (one, two))
@@ -170,7 +171,7 @@ def test_bf16_compute_passes_the_hand_off_against_an_fp32_sampler(tiny, tmp_path
     AutoTokenizer.from_pretrained(tiny / "base").save_pretrained(tmp_path / "sharp")
     out = tmp_path / "run"
     args = train_args(tiny, out, 2) + [f"model_path={tmp_path / 'sharp'}", "mixed_precision=bf16"]
-    done = run(FSDP_BF16, {**ENV, "CPU_FSDP": "1", "ARGS": args}, port=29645)
+    done = run(FSDP_BF16, {**ENV, "CPU_FSDP": "1", "ARGS": args})
     assert done.returncode == 0, done.stderr[-3000:]
     assert saved_dtypes(out / "model") == ({torch.float32}, "float32")
 
@@ -182,7 +183,7 @@ def test_a_bf16_checkpoint_s_stage_saves_model_in_bf16(tiny, bf16_base, tmp_path
     out = tmp_path / "run"
     args = train_args(tiny, out, 1) + [f"model_path={bf16_base}", "mixed_precision=bf16"]
     if launch == "fsdp2":
-        done = run(FSDP_BF16, {**ENV, "CPU_FSDP": "1", "ARGS": args}, port=29646)
+        done = run(FSDP_BF16, {**ENV, "CPU_FSDP": "1", "ARGS": args})
     else:
         done = run([sys.executable], {**ENV, "ARGS": args})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -197,7 +198,7 @@ def test_a_skipped_gather_is_still_caught_under_bf16_compute(tiny, tmp_path):
     the gap, or after the first step because its log-probs did not move while the trainer's did."""
     out = tmp_path / "skipped"
     done = run(FSDP_BF16, {**ENV, "CPU_FSDP": "1", "SKIP_GATHER": "1",
-                           "ARGS": train_args(tiny, out, 2) + ["mixed_precision=bf16"]}, port=29647)
+                           "ARGS": train_args(tiny, out, 2) + ["mixed_precision=bf16"]})
     assert done.returncode != 0
     assert "hand-off error" in done.stderr, done.stderr[-2000:]
     assert not (out / "model").exists()

@@ -13,6 +13,7 @@ from grpo_roc import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+SELECTING = [mode for mode in ROC_SELECTORS if mode != "off"]  # the rules that choose G of 2G ("off" keeps all)
 
 
 # ----------------------------------------------------------------------------------- penalties
@@ -157,7 +158,7 @@ def _group(n_total, n_pos, seed=0):
 
 
 @pytest.mark.spec
-@pytest.mark.parametrize("mode", ["sample", "lowest"])
+@pytest.mark.parametrize("mode", SELECTING)
 @pytest.mark.parametrize("n_total, n_pos", [(8, 1), (8, 3), (32, 1), (32, 3), (32, 16), (32, 31)])
 def test_resample_on_correct_counts(mode, n_total, n_pos):
     rewards, penalties = _group(n_total, n_pos)
@@ -170,7 +171,7 @@ def test_resample_on_correct_counts(mode, n_total, n_pos):
 
 
 @pytest.mark.spec
-@pytest.mark.parametrize("mode", ["sample", "lowest"])
+@pytest.mark.parametrize("mode", SELECTING)
 @pytest.mark.parametrize("reward", [0.0, 1.0])
 def test_degenerate_groups_still_return_keep_indices(mode, reward):
     kept = resample_on_correct([reward] * 8, [0.5] * 8, 4, mode=mode, generator=torch.Generator().manual_seed(0))
@@ -179,11 +180,33 @@ def test_degenerate_groups_still_return_keep_indices(mode, reward):
 
 @pytest.mark.spec
 def test_off_keeps_every_rollout_and_only_with_keep_2g():
-    assert sorted(ROC_SELECTORS) == ["lowest", "off", "sample"]
+    assert {"sample", "lowest", "off"} <= set(ROC_SELECTORS)
     for rewards in ([1, 0, 0, 1, 1, 0], [1] * 6, [0] * 6):
         assert resample_on_correct(rewards, [0.5] * 6, 6, mode="off") == [0, 1, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="keeps every rollout: keep must be 6"):
         resample_on_correct([1, 0, 0, 1, 1, 0], [0.5] * 6, 3, mode="off")
+
+
+def test_a_roc_rule_added_in_one_place_reaches_the_config_the_ablation_and_the_tests(tmp_path):
+    """A rule added to grpo_roc.ROC_SELECTORS alone (here by a plugin loaded before anything reads the table) is a
+    valid roc_mode, an arm of tiny/ablation.py, and runs through this file's tests of every selecting rule."""
+    (tmp_path / "add_rule.py").write_text(
+        "import grpo_roc\n"
+        "def _select_newest(pos, pos_penalty, neg, n_pos_keep, n_neg_keep, generator):\n"
+        "    return (pos[-n_pos_keep:] if n_pos_keep else []) + (neg[-n_neg_keep:] if n_neg_keep else [])\n"
+        "grpo_roc.ROC_SELECTORS['newest'] = _select_newest\n")
+    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    probe = ("import add_rule\nfrom tiny import ablation\nfrom plumbing.train_config import TrainConfig, validate\n"
+             "validate(TrainConfig(data=['x.jsonl'], roc_mode='newest', prompts_per_step=4), 1)\n"
+             "print(ablation.ARMS['newest'])")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['roc_mode=newest', 'rollouts_per_prompt=8', 'group_size=4']"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "add_rule", "-k", "newest", "-p", "no:cacheprovider",
+                           str(ROOT / "tests" / "test_grpo_roc.py")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert " 8 passed" in done.stdout, done.stdout  # 6 count cases and 2 degenerate groups, for the new rule
 
 
 @pytest.mark.spec

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import code_tool
+from plumbing import tool_sandbox
 from sandbox import landlock_seccomp as ls
 from code_tool import CodeTool, Sandbox, SandboxError
 
@@ -112,7 +113,7 @@ def test_require_isolation_asks_for_namespaces_landlock_and_seccomp(monkeypatch)
     full = Sandbox("namespaces", landlock=7, seccomp=True)
     assert full.isolated() == "" and Sandbox("namespaces", landlock=7).isolated() == "seccomp"
     assert Sandbox("fallback-root", landlock=1, seccomp=True).isolated() == "namespaces"
-    monkeypatch.setattr(code_tool, "_PROBED", Sandbox("namespaces", why=""))
+    monkeypatch.setattr(tool_sandbox, "_PROBED", Sandbox("namespaces", why=""))
     with pytest.raises(SandboxError, match=r"sandbox here is namespaces \(no landlock, seccomp\)"):
         code_tool.choose_sandbox("auto", require_isolation=True, layers=False)
 
@@ -123,7 +124,7 @@ def test_an_older_kernel_gets_what_it_has(monkeypatch, abi):
     """A kernel reporting an older ABI (or none): the line says so and the calls confine themselves with just that;
     what ABI 1 has (files) still holds, what it lacks (signal scoping, ABI 6) does not."""
     monkeypatch.setattr(ls, "landlock_abi", lambda: abi)
-    monkeypatch.setattr(code_tool, "_PROBED", Sandbox("fallback-root" if os.geteuid() == 0 else "fallback-user"))
+    monkeypatch.setattr(tool_sandbox, "_PROBED", Sandbox("fallback-root" if os.geteuid() == 0 else "fallback-user"))
     folder = Path(tempfile.mkdtemp(prefix="rstar2-abi-"))  # (readable by nobody, unlike pytest's tmp_path as root)
     folder.chmod(0o755)
     secret = folder / "config.yaml"

@@ -15,6 +15,7 @@ from plumbing import accel
 from plumbing.data import write_jsonl
 from scripted_policy import say_problems
 from tiny.model import build_tiny
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -30,11 +31,11 @@ def tiny(tmp_path_factory):
     return root
 
 
-def on_two_ranks(tmp_path: Path, port: int, script: str, *args: str):
+def on_two_ranks(tmp_path: Path, script: str, *args: str):
     probe = tmp_path / "probe"
     probe.mkdir()
     # torchrun stops the other ranks once one has failed; 3 s between its looks lets each rank reach its own end
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                "--monitor-interval", "3", str(ROOT / "tests" / "exit_probe.py"), script, *args]
     done = subprocess.run(command, cwd=ROOT, env={**ENV, "PROBE_DIR": str(probe)}, capture_output=True, text=True,
                           timeout=300)
@@ -44,7 +45,7 @@ def on_two_ranks(tmp_path: Path, port: int, script: str, *args: str):
 
 def test_train_ends_the_group_when_it_stops_on_bad_input(tiny, tmp_path):
     # the data file is read after the Accelerator has set up the group: this SystemExit leaves from inside it
-    done, ranks = on_two_ranks(tmp_path, 29661, "train.py", "configs/tiny/stage1.yaml", "data=[nope.jsonl]",
+    done, ranks = on_two_ranks(tmp_path, "train.py", "configs/tiny/stage1.yaml", "data=[nope.jsonl]",
                                "eval_data=null", f"model_path={tiny / 'base'}", f"out_dir={tmp_path / 'out'}")
     assert done.returncode != 0 and "input error" in done.stderr
     assert [r["group_left_alive"] for r in ranks] == [False, False]
@@ -52,14 +53,14 @@ def test_train_ends_the_group_when_it_stops_on_bad_input(tiny, tmp_path):
 
 
 def test_sft_ends_the_group_when_it_stops_after_setting_it_up(tiny, tmp_path):
-    done, ranks = on_two_ranks(tmp_path, 29662, "sft.py", "configs/tiny/sft.yaml", f"data={tiny / 'sft.jsonl'}",
+    done, ranks = on_two_ranks(tmp_path, "sft.py", "configs/tiny/sft.yaml", f"data={tiny / 'sft.jsonl'}",
                                "max_seq_len=8", "micro_batch_size=4", f"model_path={tiny / 'base'}", f"out_dir={tmp_path / 'out'}")
     assert done.returncode != 0 and "longer than max_seq_len" in done.stderr
     assert [r["group_left_alive"] for r in ranks] == [False, False]
 
 
 def test_eval_ends_the_group_after_a_finished_run(tiny, tmp_path):
-    done, ranks = on_two_ranks(tmp_path, 29663, "eval.py", "configs/tiny/eval.yaml", f"benchmarks=[{tiny / 'say.jsonl'}]",
+    done, ranks = on_two_ranks(tmp_path, "eval.py", "configs/tiny/eval.yaml", f"benchmarks=[{tiny / 'say.jsonl'}]",
                                "samples=1", "limit=2", f"model_path={tiny / 'base'}", f"out_dir={tmp_path / 'out'}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "out" / "results.json").exists()
@@ -69,7 +70,7 @@ def test_eval_ends_the_group_after_a_finished_run(tiny, tmp_path):
 def test_the_accelerator_test_helper_ends_its_group(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    done, ranks = on_two_ranks(tmp_path, 29664, "tests/run_accel.py", "policy", str(out))
+    done, ranks = on_two_ranks(tmp_path, "tests/run_accel.py", "policy", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out / "rank1.json").exists()
     assert [r["group_left_alive"] for r in ranks] == [False, False]
@@ -92,7 +93,7 @@ def test_process_group_ends_on_an_error_and_lets_the_error_through(tmp_path):
 def late_release(tmp_path: Path, mode: str, attempt: int) -> tuple:
     out = tmp_path / f"{mode}{attempt}"
     out.mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29665",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port(span=2)),
                str(ROOT / "tests" / "late_release.py"), mode, str(out)]
     done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     return (done.returncode, "terminate called without an active exception" in done.stderr,

@@ -39,16 +39,17 @@ from plumbing.data import load_conversations, load_problems  # noqa: E402
 from tools.memory_plan import GB, Shape, memory_per_gpu  # noqa: E402
 from protocol import chat_format, encode, tool_response_turn  # noqa: E402
 from sft import IGNORE, build_labels  # noqa: E402
+from ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CPU_FSDP": "1"}
 
 
-def fsdp(port: int) -> list[str]:
+def fsdp() -> list[str]:
     """Two CPU processes under the real FSDP2 config, bf16 compute (as the configs set it)."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             str(ROOT / "configs/accelerate/fsdp_1node_8gpu.yaml"), "--num_processes", "2", "--mixed_precision", "bf16",
-            "--main_process_port", str(port)]
+            "--main_process_port", str(free_port())]
 # the configs' sampler is vLLM; without it, HFSampler (its batch: all rollouts of a step at once)
 SAMPLER_ARGS = ["vllm_enforce_eager=true"] if SAMPLER == "vllm" else ["sampler=hf"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -82,11 +83,11 @@ def recipe(tmp_path_factory, qwen_tokenizer_dir):
         convert_data.main([kind, str(data[kind]), str(root / f"{kind}.jsonl"), "--tool-workers", "1"])
     base = rehearsal.base_model(root / "base")
     # SFT: FSDP2 over two processes, bf16 compute, gradient checkpointing (configs/qwen3-0.6b/sft.yaml)
-    launch(fsdp(29651) + ["tests/run_sft_masters.py", "configs/qwen3-0.6b/sft.yaml", f"model_path={base}",
+    launch(fsdp() + ["tests/run_sft_masters.py", "configs/qwen3-0.6b/sft.yaml", f"model_path={base}",
                    f"data={root / 'tir.jsonl'}", f"out_dir={root / 'sft'}", "max_steps=2", "batch_size=2",
                    "micro_batch_size=1"])
     # RL stage 1: the same, one sampler (bf16) per rank
-    launch(fsdp(29652) + ["tests/run_rehearsal_train.py", "configs/qwen3-0.6b/stage1.yaml",
+    launch(fsdp() + ["tests/run_rehearsal_train.py", "configs/qwen3-0.6b/stage1.yaml",
                    f"model_path={root / 'sft' / 'model'}", f"data=[{root / 'dapo.jsonl'}]",
                    f"out_dir={root / 'stage1'}", "steps=2", "prompts_per_step=2", "rollouts_per_prompt=4",
                    "group_size=4", "max_response_tokens=160", "tool_workers=1", "eval_limit=1", "eval_samples=1",

@@ -17,6 +17,7 @@ from sft import (IGNORE, LengthGroupedBatches, SFTConfig, build_examples, build_
                  masked_lm_loss, pack, train)
 from stops import Stop, save_dies_halfway
 from tiny.model import build_model, build_tiny, build_tokenizer
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL = {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"code": "print(12*34)", "input": ""}}}
@@ -369,11 +370,12 @@ def test_a_packed_run_learns_what_the_padded_run_learns(tiny, tmp_path, one_torc
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 MASTERS = [sys.executable, str(ROOT / "tests" / "run_sft_masters.py")]
 LAUNCH = {
-    "one process": [sys.executable],
-    "ddp": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29545"],
-    "fsdp2": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-              str(ROOT / "configs/accelerate/fsdp_1node_8gpu.yaml"), "--num_processes", "2", "--mixed_precision", "no",
-              "--main_process_port", "29546"],
+    "one process": lambda: [sys.executable],
+    "ddp": lambda: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                    str(free_port())],
+    "fsdp2": lambda: [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                      str(ROOT / "configs/accelerate/fsdp_1node_8gpu.yaml"), "--num_processes", "2",
+                      "--mixed_precision", "no", "--main_process_port", str(free_port())],
 }
 
 
@@ -398,7 +400,7 @@ def _one_step(launch: str, model: Path, data: Path, out: Path) -> dict:
     args = [f"model_path={model}", f"data={data}", f"out_dir={out}", "max_steps=1", "lr=5e-6", "warmup_ratio=0",
             "batch_size=8", "micro_batch_size=4", "log_every=1", "system_prompt=compact", "user_instruction="]
     env = {**ENV, "CPU_FSDP": "1"} if launch == "fsdp2" else ENV
-    done = subprocess.run(LAUNCH[launch] + MASTERS[1:] + args, cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run(LAUNCH[launch]() + MASTERS[1:] + args, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out / "masters.pt")

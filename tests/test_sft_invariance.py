@@ -26,6 +26,7 @@ from plumbing.data import load_conversations
 from protocol import TOOL_NAME, chat_format
 from sft import IGNORE, build_examples
 from tiny.model import build_tiny
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = str(ROOT / "tests" / "run_sft_recorded.py")
@@ -37,7 +38,6 @@ N_CONVERSATIONS, EPOCHS = 14, 2  # micro-batches of 2: 7 per epoch, windows of 6
 # through the weights); the lr is equal. The bounds leave more than 10x margin and stay far below what one
 # duplicated micro-batch does (8e-3, see the duplicate test).
 TOL_WEIGHTS, TOL_LOSS = 2e-6, 1e-5
-PORTS = iter(range(29661, 29700))
 
 
 def conversations() -> list[dict]:
@@ -74,7 +74,7 @@ def sft_args(tiny, out: Path) -> list[str]:
 
 def launch(kind: str, world: int, args: list[str], mixed_precision: str = "no") -> subprocess.CompletedProcess:
     """sft.py through the recording runner on `world` CPU processes: one process, DDP (torchrun) or FSDP2."""
-    port = str(next(PORTS))
+    port = str(free_port())
     if world == 1:
         cmd, env = [sys.executable], ENV
     elif kind == "ddp":

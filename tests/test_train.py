@@ -219,6 +219,24 @@ def test_update_scores_old_logprobs_in_its_own_forward_when_on_policy(tiny, monk
     assert ratio != pytest.approx(1.0, abs=1e-6)  # the second mini-batch saw the policy after the first step
 
 
+@pytest.mark.parametrize("updates", [1, 2])
+def test_the_clip_binds_only_when_updates_per_step_exceeds_one(tiny, updates):
+    """One optimizer step per RL step: the old log-probs are the update's own, detached, so the ratio is 1 at every
+    token, no token is clipped, and a clip wide enough never to bind gives the same weights. Two: the second
+    mini-batch meets the step's old log-probs after the first step moved the policy; tokens are clipped, and the
+    clipped update differs from the unclipped one."""
+    _, kept = kept_batch(tiny)
+    w, sums = updated_weights(tiny, kept, 2, updates_per_step=updates)
+    wide, _ = updated_weights(tiny, kept, 2, updates_per_step=updates, clip_low=0.999, clip_high=1e6)
+    clipped = sums["clip_frac_low"][0] + sums["clip_frac_high"][0]
+    if updates == 1:
+        assert clipped == 0.0 and sums["ratio_mean"][0] == pytest.approx(sums["ratio_mean"][1], abs=1e-9)
+        torch.testing.assert_close(w, wide, rtol=0, atol=0)
+    else:
+        assert clipped > 0.0
+        assert (w - wide).abs().max() > 1e-4
+
+
 def test_update_micro_batches_hold_sequences_of_similar_length(tiny, monkeypatch):
     """Kept rollouts are sorted by length inside their mini-batch, so each micro-batch is padded to a length
     close to its own sequences' (fewer padded positions than in the order they were kept)."""

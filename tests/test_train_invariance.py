@@ -19,7 +19,6 @@ they differ between two seeds: that is the only legitimate difference, and the s
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import pytest
 from plumbing.data import write_jsonl
 from scripted_policy import say_problems
 from tiny.model import build_tiny
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "run_scripted_train.py"
@@ -37,12 +37,6 @@ FSDP_CONFIG = ROOT / "configs/accelerate/fsdp_1node_8gpu.yaml"
 # Measured largest differences from one process: weights 2.4e-7 after 5 AdamW steps at lr <= 1e-3 (about a
 # quarter of a float32 ulp of the larger weights); losses 3e-8. The bounds leave 10x room.
 WEIGHT_TOL, LOSS_TOL = 3e-6, 1e-6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launcher(kind: str, world: int) -> tuple[list[str], dict]:

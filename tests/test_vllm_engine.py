@@ -36,6 +36,7 @@ import train  # noqa: E402
 from plumbing import rl_stage  # noqa: E402
 from plumbing import batches  # noqa: E402
 from code_tool import CodeTool  # noqa: E402
+from ports import free_port  # noqa: E402
 from plumbing.data import write_jsonl  # noqa: E402
 from grpo_roc import policy_loss  # noqa: E402
 from mismatch import (mismatch_sums, sequence_log_ratios, sequence_mask_weights, sequence_mismatch,  # noqa: E402
@@ -570,7 +571,7 @@ def main():
 
 accel.run_and_exit(main)  # the group ended, and the process, as the entry points end theirs (plumbing/accel.py, 4)
 """)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     done = subprocess.run(torchrun + [str(script)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -31,7 +31,8 @@ def main() -> None:
     signal.signal(signal.SIGUSR2, lambda *_: received.append(1))
     import code_tool
     if mode == "fallback":
-        code_tool._PROBED = code_tool.Sandbox("fallback-user", why="unshare failed: (test)")
+        from plumbing import tool_sandbox
+        tool_sandbox._PROBED = code_tool.Sandbox("fallback-user", why="unshare failed: (test)")
     with code_tool.CodeTool(workers=1, timeout=timeout, preload=("math", "socket"), backend=backend) as tool:
         print(json.dumps({"pid": os.getpid(), "sandbox": tool.sandbox, "line": tool.sandbox_line}), flush=True)
         for line in sys.stdin:

@@ -52,11 +52,20 @@ import sys
 import time
 from pathlib import Path
 
-ARMS = {
-    "roc": ["roc_mode=sample", "rollouts_per_prompt=8", "group_size=4"],
-    "grpo": ["roc_mode=off", "rollouts_per_prompt=4", "group_size=4"],
-    "lowest": ["roc_mode=lowest", "rollouts_per_prompt=8", "group_size=4"],
-}
+from grpo_roc import ROC_SELECTORS
+
+ARM_NAMES = {"sample": "roc", "off": "grpo"}  # the report's names for two RoC rules; any other arm is its rule's name
+
+
+def roc_arms(modes) -> dict[str, list[str]]:
+    """One arm per RoC rule (grpo_roc.ROC_SELECTORS, the report's two first): the rule, and G = 4 kept of 2G = 8
+    rollouts per prompt; "off" keeps every rollout, so it samples only G. A rule added to ROC_SELECTORS is an arm."""
+    ordered = sorted(modes, key=lambda mode: mode not in ARM_NAMES)  # (a stable sort: the table's order otherwise)
+    return {ARM_NAMES.get(mode, mode): [f"roc_mode={mode}", f"rollouts_per_prompt={4 if mode == 'off' else 8}",
+                                        "group_size=4"] for mode in ordered}
+
+
+ARMS = roc_arms(ROC_SELECTORS)
 # The ablation's setting (module docstring). The tool's error form must be the same in the task's SFT data and in
 # configs/ablation/rl.yaml (tool_error_format), so that RL shows the model the text SFT taught it to read.
 ERROR_FORMAT = "last_line"
