@@ -57,6 +57,9 @@ import json
 import re
 from dataclasses import dataclass
 
+from plumbing.messages import message_text, message_tool_call
+from plumbing.tokens import control_tokens, ordinary_ids
+
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 TOOL_NAME = "execute_python_code_with_standard_io"
 TOOL_ARGUMENTS = ("code", "input")  # the tool's arguments: the program, and the text on its standard input
@@ -165,18 +168,6 @@ def render(*parts: str) -> Rendered:
     return out
 
 
-_TAG = re.compile(r"<[^<>\s]+>")
-
-
-def control_tokens(tokenizer) -> dict[str, int]:
-    """A tokenizer's control tokens, {text: id}: its special tokens and each added token written as a tag (`<...>`):
-    ChatML's `<|im_start|>` / `<|im_end|>`, Qwen3's `<tool_call>`, `<tool_response>`, `<think>` and fill-in-the-middle
-    markers (added but not special there), the tiny tokenizer's markers. Other added tokens (the tiny tokenizer's
-    multi-character phrases, its one-token tool name) are pieces of ordinary text."""
-    special = set(tokenizer.all_special_tokens)
-    return {t: i for t, i in tokenizer.get_added_vocab().items() if t in special or _TAG.fullmatch(t)}
-
-
 def encode(tokenizer, text: str) -> list[int]:
     """Token ids of protocol text, no BOS or EOS added. Control tokens are read only in the markup: Plain text, and
     the Plain parts of a Rendered string, are encoded as ordinary text whatever they contain; any other str counts as
@@ -189,27 +180,12 @@ def encode(tokenizer, text: str) -> list[int]:
     for part in parts:
         for i, piece in enumerate(split.split(part)):
             if i % 2 and not isinstance(part, Plain):
-                ids += _ordinary_ids(tokenizer, run, split)
+                ids += ordinary_ids(tokenizer, run, split)
                 ids.append(controls[piece])
                 run = ""
             else:
                 run += piece
-    return ids + _ordinary_ids(tokenizer, run, split)
-
-
-def _ordinary_ids(tokenizer, text: str, split: re.Pattern) -> list[int]:
-    """Ordinary text: `tokenizer.encode` between control strings; each control string in it (it came from Plain
-    text) goes through the tokenizer's normalizer, pre-tokenizer and model alone, which know no added tokens."""
-    ids = []
-    for i, piece in enumerate(split.split(text)):
-        if i % 2:
-            backend = tokenizer.backend_tokenizer
-            piece = backend.normalizer.normalize_str(piece) if backend.normalizer else piece
-            words = backend.pre_tokenizer.pre_tokenize_str(piece) if backend.pre_tokenizer else [(piece, None)]
-            ids += [t.id for word, _ in words for t in backend.model.tokenize(word)]
-        elif piece:
-            ids += tokenizer.encode(piece, add_special_tokens=False)
-    return ids
+    return ids + ordinary_ids(tokenizer, run, split)
 
 
 def policy_text(text: str) -> Rendered:
@@ -398,22 +374,23 @@ class ChatFormat:
         msgs = list(messages)
         system = self.system_prompt
         if msgs and msgs[0].get("role") == "system":
-            system = _text(msgs.pop(0), 0)
+            system = message_text(msgs.pop(0), 0)
         offset = len(messages) - len(msgs)
         if not msgs or msgs[0].get("role") != "user":
             raise ValueError(f"message {offset}: expected a user message with the problem")
-        segments = [(render(self._head(system, _text(msgs[0], offset)), GENERATION_PREFIX), False)]
+        segments = [(render(self._head(system, message_text(msgs[0], offset)), GENERATION_PREFIX), False)]
         expect = "assistant"
         for i, msg in enumerate(msgs[1:], start=offset + 1):
             role = msg.get("role")
             if role != expect:
                 raise ValueError(f"message {i}: expected role {expect!r}, got {role!r}")
             if role == "assistant":
-                segments.append((render(policy_text(_text(msg, i)), _assistant_call(msg, i, self.tool_name), IM_END),
-                                 True))
+                call = message_tool_call(msg, i, self.tool_name)  # (code, stdin) or None
+                segments.append((render(policy_text(message_text(msg, i)),
+                                        format_tool_call(*call, self.tool_name) if call else "", IM_END), True))
                 expect = "tool" if msg.get("tool_calls") else "end"
             else:
-                segments.append((self.tool_response_turn(_text(msg, i)), False))
+                segments.append((self.tool_response_turn(message_text(msg, i)), False))
                 expect = "assistant"
         if expect != "end":
             raise ValueError(f"message {len(messages) - 1}: a conversation must end with an assistant answer")
@@ -452,31 +429,6 @@ CHAT_FIELDS = tuple(inspect.signature(chat_format).parameters)
 def chat_format_of(cfg) -> ChatFormat:
     """The ChatFormat of an entry point's config: its CHAT_FIELDS, through `chat_format`."""
     return chat_format(**{name: getattr(cfg, name) for name in CHAT_FIELDS})
-
-
-def _text(msg: dict, index: int) -> str:
-    content = msg.get("content")
-    if not isinstance(content, str):
-        raise ValueError(f"message {index}: 'content' must be a string")
-    return content
-
-
-def _assistant_call(msg: dict, index: int, tool_name: str = TOOL_NAME) -> Rendered:
-    calls = msg.get("tool_calls") or []
-    if not calls:
-        return render()
-    if len(calls) != 1:
-        raise ValueError(f"message {index}: one tool call per turn (got {len(calls)})")
-    fn = calls[0].get("function", calls[0])
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            raise ValueError(f"message {index}: tool call arguments are not valid JSON") from None
-    if fn.get("name") != tool_name or not isinstance(args, dict) or not isinstance(args.get("code"), str):
-        raise ValueError(f"message {index}: tool call must name {tool_name} with a string 'code' argument")
-    return format_tool_call(args["code"], args.get("input", "") or "", tool_name)
 
 
 if __name__ == "__main__":
