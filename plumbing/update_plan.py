@@ -96,7 +96,10 @@ def count_bins(items: list[int], tokens: list[int], size: int, multiple: int) ->
 
 def fit_rows(items: list[int], tokens: list[int], width: int) -> list[list[int]]:
     """Items laid end to end in rows of `width` tokens: longest first, each into the row it leaves least room in
-    (best fit decreasing). An item longer than the width gets a row of its own."""
+    (best fit decreasing). An item longer than the width gets a row of its own. SFT packs its micro-batches with its
+    own first fit decreasing (`sft.pack`, rows as wide as the micro-batch's longest conversation): at that width the
+    two give the same number of rows in all but about 1 in 10,000 random micro-batches (docs/LOG.md, 2026-12-06),
+    and sharing this one would reorder SFT's rows, so SFT keeps its own."""
     rows, free = [], []  # free: sorted (room left, row)
     for i in sorted(items, key=lambda i: (-tokens[i], i)):
         k = bisect.bisect_left(free, (tokens[i], -1))

@@ -71,3 +71,10 @@ def test_the_plumbing_imports_no_command():
 def test_the_algorithm_path_reads_in_one_sitting():
     counts = {name: code_lines((ROOT / f"{name}.py").read_text()) for name in ALGORITHM_PATH}
     assert sum(counts.values()) <= ALGORITHM_PATH_MAX_LINES, counts
+
+
+def test_each_concept_module_reads_as_its_concept_in_450_lines():
+    """The machinery a concept stands on (the tool's backends, the reward's process pool, the tokenizer's side of
+    the protocol) lives in plumbing/, so each concept module stays short enough to read whole."""
+    lengths = {name: len((ROOT / f"{name}.py").read_text().splitlines()) for name in sorted(CONCEPTS)}
+    assert max(lengths.values()) <= 450, lengths
