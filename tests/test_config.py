@@ -149,7 +149,7 @@ def test_help_shows_each_field_s_whole_comment_and_its_range():
             by_name[name] = (line.strip(), "")
     assert by_name["fsdp"][1] == ("for dry_run only: the launch shards with FSDP2 (false: python train.py on one GPU, "
                                   "or a DDP launch)")
-    assert by_name["max_tokens_per_micro_batch"][1].endswith("0: micro- batches of micro_batch_size rollouts, padded")
+    assert by_name["max_tokens_per_micro_batch"][1].endswith("0: micro-batches of micro_batch_size rollouts, padded")
     assert by_name["mismatch_seq_low"][1].endswith("pi_old / pi_sampler is below this is dropped (verl's geometric "
                                                    "preset)")
     assert by_name["mismatch_seq_low"][0] == "mismatch_seq_low (float, default 0.999, > 0 and <= 1)"
