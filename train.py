@@ -144,6 +144,7 @@ def update_policy(accelerator, model, optimizer, scheduler, work, cfg, pad_id: i
         for j, ((batch, adv, n), old_logp) in enumerate(zip(micro, micro_old)):
             with gradient_sync(accelerator, model, last=j == len(micro) - 1):
                 logp = token_logprobs(model, batch, cfg.temperature)
+                # the first mini-batch is on policy: old = its own log-probs, ratio 1, so no clip binds there
                 old_logp = logp.detach() if old_logp is None else old_logp
                 weights = correction(old_logp, batch.get("sampler_logp"), batch["loss_mask"]) if correction else None
                 loss, metrics = loss_fn(logp, old_logp, adv, batch["loss_mask"], clip_low=cfg.clip_low,
