@@ -206,7 +206,7 @@ def test_a_roc_rule_added_in_one_place_reaches_the_config_the_ablation_and_the_t
                            str(ROOT / "tests" / "test_grpo_roc.py")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert " 8 passed" in done.stdout, done.stdout  # 6 count cases and 2 degenerate groups, for the new rule
+    assert "\n8 passed" in done.stdout, done.stdout  # 6 count cases and 2 degenerate groups, for the new rule
 
 
 @pytest.mark.spec
