@@ -135,13 +135,16 @@ def make_accelerator(*, mixed_precision: str, report_to: str | None, out_dir: st
 
 def end_process_group(failed: bool = False) -> None:
     """Destroy the default process group if one is up (a no-op otherwise, and after `Accelerator.end_training`).
-    On an error path (`failed`) an NCCL group is aborted instead: a graceful destroy waits for work that a dead or
-    stuck peer may never finish; and nothing raised here hides the error that brought the rank out."""
+    On an error path (`failed`) a group with NCCL among its backends is aborted instead: a graceful destroy waits
+    for work that a dead or stuck peer may never finish; and nothing raised here hides the error that brought the
+    rank out. The backends are the ones torch set up for the group (`get_backend_config`: "cuda:nccl" for one
+    started without naming a backend on a GPU machine, as `start_process_group` does, "cuda:nccl" too for
+    Accelerate's "nccl"); `get_backend()` says "undefined" for the first (torch 2.13)."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
-        if failed and dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+        if failed and "nccl" in dist.get_backend_config() and hasattr(dist.distributed_c10d, "_abort_process_group"):
             dist.distributed_c10d._abort_process_group()
         else:
             dist.destroy_process_group()
@@ -165,6 +168,16 @@ def process_group_ends():
     end_process_group()
 
 
+def failing() -> bool:
+    """Whether the `finally` calling this runs on an error path: an exception on its way out, other than
+    SystemExit(0) or SystemExit(None) (the line `process_group_ends` draws). There the entry points leave vLLM's
+    engine unclosed: its shutdown destroys the launcher's process group gracefully (vLLM 0.32,
+    `cleanup_dist_env_and_memory`), which could wait forever on a failed peer before the group is aborted; the
+    engine's GPU memory goes with the process."""
+    error = sys.exc_info()[1]
+    return error is not None and not (isinstance(error, SystemExit) and error.code in (None, 0))
+
+
 def run_and_exit(main: Callable[[], object]) -> NoReturn:
     """An entry point's command line: `main()` with the process group ended on every way out, then the process
     ended without the interpreter's shutdown (point 4 above), with the exit status Python would give: 0, a
@@ -182,9 +195,9 @@ def run_and_exit(main: Callable[[], object]) -> NoReturn:
     except BaseException as e:  # noqa: BLE001 (reported as Python reports it, with its exit status)
         sys.excepthook(type(e), e, e.__traceback__)
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # the interpreter's first step at exit: threading's exit hooks (concurrent.futures' tells its idle workers to
+    # stop, without which a live ThreadPoolExecutor is waited for forever), then every non-daemon thread joined
+    threading._shutdown()
     atexit._run_exitfuncs()  # weakref finalizers, logging, the code tool's pool, Accelerate's and the user's own
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
