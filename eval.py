@@ -537,6 +537,7 @@ def evaluate_benchmarks(cfg: EvalConfig) -> dict | None:
     check_config(cfg)
     check_launch(cfg)
     from code_tool import SandboxError, announce, choose_sandbox
+    from plumbing import accel
     try:  # where and how model code runs (code_tool.py's sandbox modes)
         sandbox = choose_sandbox(cfg.tool_backend, cfg.tool_require_isolation)
     except SandboxError as e:
@@ -578,8 +579,8 @@ def evaluate_benchmarks(cfg: EvalConfig) -> dict | None:
             evaluate_todo(cfg, todo, results, identity, sampler, tokenizer, rank, world, traj_file)
         barrier(world)  # every rank is done; `run` then ends the process group
     finally:
-        if hasattr(sampler, "close"):  # vLLM, on every way out: after the last collective, before the process group
-            sampler.close()            # ends under it (see VLLMSampler.close)
+        if hasattr(sampler, "close") and not accel.failing():  # vLLM on a clean way out: after the last collective,
+            sampler.close()  # before the group ends under it (VLLMSampler.close; errors: accel.failing)
     if not main:
         return None
     results = {name: results[name] for name, _ in benches}

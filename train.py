@@ -325,8 +325,8 @@ def run_stage(cfg: TrainConfig) -> None:
     finally:
         run.tool.close()
         bar.close()
-        if hasattr(run.sampler, "close"):  # vLLM, on every way out: after the last collective, before the process
-            run.sampler.close()            # group ends under it (see VLLMSampler.close)
+        if hasattr(run.sampler, "close") and not accel.failing():  # vLLM on a clean way out: after the last
+            run.sampler.close()  # collective, before the group ends under it (VLLMSampler.close; errors: accel.failing)
     acc.end_training()
 
 

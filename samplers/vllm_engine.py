@@ -230,11 +230,13 @@ class VLLMSampler:
         self.wake_up(tags=["kv_cache"])
 
     def close(self) -> None:
-        """Shut the engine down: after the last collective, on every way out of train.py and eval.py, before the
+        """Shut the engine down: after the last collective, on a clean way out of train.py and eval.py, before the
         process group ends (ending it first destroys the engine's own subgroups under it, and vLLM's shutdown at
         exit then fails on them: "Invalid process group specified", exit code 1). vLLM 0.32's shutdown also
         destroys torch.distributed's default process group (`cleanup_dist_env_and_memory`), the launcher's one
-        under torchrun; `end_training` then finds none and does nothing."""
+        under torchrun; `end_training` then finds none and does nothing. On an error path the entry points skip it
+        (`accel.failing`): `process_group_ends` ends the group (aborted on NCCL), and the engine's memory goes with
+        the process."""
         self.llm.llm_engine.engine_core.shutdown()
 
 
