@@ -36,8 +36,8 @@ which the plan does not count), and one call of the code tool (a random model ne
 
 Where vLLM is installed, one line per GPU-only check (`GPU_CHECKS`; --cpu names each as skipped): LoRA's hand-off
 after a level-2 sleep (the merged layers alone refused, every weight passing the hand-off check), seeded requests
-equal token for token across a sleep and a hand-off of unchanged weights, and the hand-off check's gap on the GPU
-beside its tolerance.
+equal token for token across a sleep and a hand-off of unchanged weights, the hand-off check's gap on the GPU
+beside its tolerance, and a process with an async-scheduling engine ending with 0 at once after main() returns.
 
 What it settles: that the three entry points run on a GPU at the real shape in bf16 under FSDP2 with checkpointing,
 what each phase costs in memory against the plan, and how fast the trainer's updates are. What it cannot without
@@ -541,10 +541,53 @@ def handoff_gap(work: Path, files: dict, env: dict) -> tuple[str, str | None]:
     return line, None if r["gap"] <= r["tolerance"] else f"hand-off gap {r['gap']:.3g} over its tolerance"
 
 
+EXIT_ASYNC = """
+import sys
+from plumbing import accel
+from samplers.vllm_engine import VLLMSampler
+engines = []
+
+def main():
+    engines.append(VLLMSampler(sys.argv[1], seed=0, async_scheduling=True, enforce_eager=True,
+                               gpu_memory_utilization=0.3, enable_sleep_mode=False))
+    engines[0].generate([[9707, 11, 1879]], [16])  # the engine's async-output worker has run; it stays referenced
+    print("returned", flush=True)
+
+accel.run_and_exit(main)
+"""
+EXIT_AFTER_MAIN_S = 30  # from main()'s return to the end of the process, at most
+
+
+def exit_under_async_scheduling(work: Path, files: dict, env: dict) -> tuple[str, str | None]:
+    """A vLLM engine with async scheduling left referenced when main() returns (as train.py's is until it ends):
+    the process ends through accel.run_and_exit with status 0 within EXIT_AFTER_MAIN_S, its thread pool stopped
+    as Python's own shutdown would stop it."""
+    script, log = work / "exit_async.py", work / "exit_async.log"
+    script.write_text(EXIT_ASYNC)
+    with open(log, "w") as err:
+        process = subprocess.Popen([sys.executable, str(script), str(files["model"])], cwd=ROOT, env=env,
+                                   stdout=subprocess.PIPE, stderr=err, text=True)
+        returned = any(line.strip() == "returned" for line in iter(process.stdout.readline, ""))  # or it ended
+        start = time.perf_counter()
+        try:
+            process.communicate(timeout=EXIT_AFTER_MAIN_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            return (f"exit     async scheduling: still running {EXIT_AFTER_MAIN_S} s after main() returned",
+                    "no exit after main() under async scheduling")
+    seconds = time.perf_counter() - start
+    if not returned or process.returncode != 0:
+        print(log.read_text()[-4000:])
+        return f"exit     async scheduling: status {process.returncode}", "the async-scheduling engine failed"
+    return f"exit     async scheduling: status 0, {seconds:.1f} s after main() returned", None
+
+
 GPU_CHECKS = [  # each (work, files, env) -> (its line, a problem or None); on --cpu each is named as skipped
     lora_after_sleep,
     seeded_across_sleep,
     handoff_gap,
+    exit_under_async_scheduling,
 ]
 
 

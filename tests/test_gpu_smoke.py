@@ -37,6 +37,7 @@ def test_the_cpu_version_runs_sft_train_and_eval_under_fsdp2_in_bf16_and_passes(
     assert "parameters gathered in torch.bfloat16, gradients reduced in torch.float32" in out
     assert "hand-off passed at the start and after each of the 2 steps" in out
     assert "tool     print(sum(range(10))) -> 45 in" in out  # the code tool's sandbox works where it runs
+    assert "skipped  exit_under_async_scheduling: needs a GPU" in out
     assert (work / "sft" / "model" / "config.json").is_file()
     assert (work / "rl" / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()  # FSDP2 ran (sharded checkpoint)
     assert json.loads((work / "eval" / "results.json").read_text())["benchmarks"]
@@ -115,6 +116,22 @@ def test_the_lr_comparison_by_hand():
     assert gpu_smoke.lr_line("sft", [(2, 1e-6, 0.0)])[1] == "sft lr at step 2 is 1e-06, the schedule's 0"
 
 
+@pytest.mark.parametrize("after_main, line, problem", [
+    ("", "exit     async scheduling: status 0, ", None),
+    ("threading.Thread(target=time.sleep, args=(60,)).start()",
+     "exit     async scheduling: still running 2 s after main() returned", "no exit after main() under async scheduling"),
+])
+def test_the_exit_check_passes_a_prompt_exit_and_fails_a_hang(tmp_path, monkeypatch, after_main, line, problem):
+    """The check's verdict, with the engine's script replaced by one without vLLM: ends at once, or hangs in a
+    non-daemon thread after main() has returned."""
+    monkeypatch.setattr(gpu_smoke, "EXIT_AFTER_MAIN_S", 2)
+    monkeypatch.setattr(gpu_smoke, "EXIT_ASYNC", "import threading, time\nfrom plumbing import accel\n"
+                        f"accel.run_and_exit(lambda: (print('returned', flush=True), {after_main or 'None'}))\n")
+    got, why = gpu_smoke.exit_under_async_scheduling(tmp_path, {"model": "unused"},
+                                                    {**os.environ, "PYTHONPATH": str(ROOT)})
+    assert got.startswith(line) and why == problem
+
+
 def test_model_flops_of_qwen3_0_6b_by_hand():
     """6 N T + 12 L H Q T^2 (PaLM, appendix B), N the matrix products' parameters: 28 layers of q, k, v, o
     (1,024 x 2,048 + 2 x 1,024 x 1,024 + 2,048 x 1,024) and the MLP (3 x 1,024 x 3,072), plus the output layer."""
@@ -176,7 +193,7 @@ def test_the_vllm_lines_are_named_skipped_on_the_cpu(tmp_path, capsys):
     """--cpu: each GPU-only vLLM line says it was skipped, and nothing is run."""
     gpu_smoke.gpu_checks("cpu", tmp_path, {}, {})
     out = capsys.readouterr().out.splitlines()
-    for name in ("lora_after_sleep", "seeded_across_sleep", "handoff_gap"):
+    for name in ("lora_after_sleep", "seeded_across_sleep", "handoff_gap", "exit_under_async_scheduling"):
         assert f"skipped  {name}: needs a GPU" in out
     assert not list(tmp_path.iterdir())
 
@@ -196,6 +213,8 @@ def test_the_vllm_lines_judge_the_probe_s_measurements(tmp_path, capsys, monkeyp
                 "lora_gap": 0.015, "lora_check": None, **change}
     (tmp_path / "vllm_probe.json").write_text(json.dumps(measured))
     monkeypatch.setattr(gpu_smoke.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(gpu_smoke, "GPU_CHECKS", [gpu_smoke.lora_after_sleep, gpu_smoke.seeded_across_sleep,
+                                                  gpu_smoke.handoff_gap])  # the probe's lines only
     if message is None:
         gpu_smoke.gpu_checks("gpu", tmp_path, {}, {})
     else:
