@@ -36,9 +36,10 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    does not close it: gloo's worker threads live until the last reference to the group goes, which Accelerate's and
    FSDP2's state keep (a destroyed group's threads were still running at exit on 2 CPU processes), and on a loaded
    machine a worker can reach the GIL only after the interpreter has begun to shut down. So an entry point ends
-   the group on every way out, errors included, and then ends the process as Python would (non-daemon threads
-   joined, atexit handlers run, standard streams flushed, the same exit status) but without the interpreter's
-   shutdown, which is the only time this abort can happen. tests/late_release.py makes it happen on every run.
+   the group on every way out, errors included, and then ends the process as Python would (threading's exit hooks
+   run, which stop idle thread pools, non-daemon threads joined, atexit handlers run, standard streams flushed, the
+   same exit status) but without the interpreter's shutdown, which is the only time this abort can happen. On an
+   error path the vLLM engine is left unclosed (`failing`): its shutdown would end the group gracefully first. tests/late_release.py makes it happen on every run.
 5. Waiting for the slowest rank with a heartbeat (`Peers`). While a rank rolls out, it adds to a counter of its
    own in the process group's store (the TCP store torchrun and `accelerate launch` run, which outlives a worker)
    after its engine steps, at most once a second. A rank that has finished says so in the store and polls the
@@ -53,8 +54,8 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    `torch/distributed/rendezvous.py`: "a new TCPStore for every retry", which the static rendezvous does not make).
    A restarted worker then reads the dead attempt's addresses and fails ("Gloo connectFullMesh failed ... Connection
    refused"). `start_process_group` sets up the group first, on that store under a prefix of the attempt
-   (TORCHELASTIC_RESTART_COUNT), with torch's default backends for the devices present (gloo for CPU, NCCL for
-   CUDA); Accelerate then uses the group it finds. Across nodes each agent counts its own restarts: they stay in step
+   (TORCHELASTIC_RESTART_COUNT), with torch's default backend for the machine's accelerator (NCCL for CUDA, gloo
+   without one); Accelerate then uses the group it finds. Across nodes each agent counts its own restarts: they stay in step
    when every node's workers stop on each failure, which the heartbeat (point 5) makes them do.
 """
 import atexit
