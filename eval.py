@@ -579,8 +579,7 @@ def evaluate_benchmarks(cfg: EvalConfig) -> dict | None:
             evaluate_todo(cfg, todo, results, identity, sampler, tokenizer, rank, world, traj_file)
         barrier(world)  # every rank is done; `run` then ends the process group
     finally:
-        if hasattr(sampler, "close") and not accel.failing():  # vLLM on a clean way out: after the last collective,
-            sampler.close()  # before the group ends under it (VLLMSampler.close; errors: accel.failing)
+        accel.end_sampler(sampler)  # vLLM closed on a clean way out only, before the group ends under it
     if not main:
         return None
     results = {name: results[name] for name, _ in benches}

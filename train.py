@@ -325,8 +325,7 @@ def run_stage(cfg: TrainConfig) -> None:
     finally:
         run.tool.close()
         bar.close()
-        if hasattr(run.sampler, "close") and not accel.failing():  # vLLM on a clean way out: after the last
-            run.sampler.close()  # collective, before the group ends under it (VLLMSampler.close; errors: accel.failing)
+        accel.end_sampler(run.sampler)  # vLLM closed on a clean way out only, before the group ends under it
     acc.end_training()
 
 

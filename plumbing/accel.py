@@ -38,8 +38,9 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    machine a worker can reach the GIL only after the interpreter has begun to shut down. So an entry point ends
    the group on every way out, errors included, and then ends the process as Python would (threading's exit hooks
    run, which stop idle thread pools, non-daemon threads joined, atexit handlers run, standard streams flushed, the
-   same exit status) but without the interpreter's shutdown, which is the only time this abort can happen. On an
-   error path the vLLM engine is left unclosed (`failing`): its shutdown would end the group gracefully first. tests/late_release.py makes it happen on every run.
+   same exit status) but without the interpreter's shutdown, which is the only time this abort can happen.
+   tests/late_release.py makes it happen on every run. On an error path the vLLM engine is left unclosed
+   (`end_sampler`): its shutdown would end the group gracefully before the group's own end could abort it.
 5. Waiting for the slowest rank with a heartbeat (`Peers`). While a rank rolls out, it adds to a counter of its
    own in the process group's store (the TCP store torchrun and `accelerate launch` run, which outlives a worker)
    after its engine steps, at most once a second. A rank that has finished says so in the store and polls the
@@ -55,8 +56,8 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    A restarted worker then reads the dead attempt's addresses and fails ("Gloo connectFullMesh failed ... Connection
    refused"). `start_process_group` sets up the group first, on that store under a prefix of the attempt
    (TORCHELASTIC_RESTART_COUNT), with torch's default backend for the machine's accelerator (NCCL for CUDA, gloo
-   without one); Accelerate then uses the group it finds. Across nodes each agent counts its own restarts: they stay in step
-   when every node's workers stop on each failure, which the heartbeat (point 5) makes them do.
+   without one); Accelerate then uses the group it finds. Across nodes each agent counts its own restarts: they
+   stay in step when every node's workers stop on each failure, which the heartbeat (point 5) makes them do.
 """
 import atexit
 import contextlib
@@ -172,11 +173,22 @@ def process_group_ends():
 def failing() -> bool:
     """Whether the `finally` calling this runs on an error path: an exception on its way out, other than
     SystemExit(0) or SystemExit(None) (the line `process_group_ends` draws). There the entry points leave vLLM's
-    engine unclosed: its shutdown destroys the launcher's process group gracefully (vLLM 0.32,
+    engine unclosed (`end_sampler`): its shutdown destroys the launcher's process group gracefully (vLLM 0.32,
     `cleanup_dist_env_and_memory`), which could wait forever on a failed peer before the group is aborted; the
     engine's GPU memory goes with the process."""
     error = sys.exc_info()[1]
     return error is not None and not (isinstance(error, SystemExit) and error.code in (None, 0))
+
+
+def end_sampler(sampler) -> None:
+    """A sampler's end, in an entry point's `finally`: on a clean way out its `close` (vLLM's engine: after the last
+    collective, before the group ends under it); on an error path (`failing`) its `abandon` where it has one
+    (vLLM's: the engine's shutdown is dropped from the process's end as well), never its `close`."""
+    if not failing():
+        if hasattr(sampler, "close"):
+            sampler.close()
+    elif hasattr(sampler, "abandon"):
+        sampler.abandon()
 
 
 def run_and_exit(main: Callable[[], object]) -> NoReturn:

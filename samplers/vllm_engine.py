@@ -235,9 +235,16 @@ class VLLMSampler:
         exit then fails on them: "Invalid process group specified", exit code 1). vLLM 0.32's shutdown also
         destroys torch.distributed's default process group (`cleanup_dist_env_and_memory`), the launcher's one
         under torchrun; `end_training` then finds none and does nothing. On an error path the entry points skip it
-        (`accel.failing`): `process_group_ends` ends the group (aborted on NCCL), and the engine's memory goes with
-        the process."""
+        (`accel.end_sampler`) and call `abandon`: `process_group_ends` ends the group (aborted on NCCL), and the
+        engine's memory goes with the process."""
         self.llm.llm_engine.engine_core.shutdown()
+
+    def abandon(self) -> None:
+        """On an error path, instead of `close`: the engine's shutdown is dropped from the process's end too (vLLM
+        0.32 runs it from a finalizer at exit, where it would fail on the groups the error path has ended already)."""
+        finalizer = getattr(self.llm.llm_engine.engine_core, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
 
 
 def release_cached_memory() -> None:
