@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from plumbing.data import write_jsonl
+from ports import free_port
 from scripted_policy import say_problems
-from test_train_invariance import free_port
 from tiny.model import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
