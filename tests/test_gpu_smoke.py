@@ -37,6 +37,7 @@ def test_the_cpu_version_runs_sft_train_and_eval_under_fsdp2_in_bf16_and_passes(
     assert "parameters gathered in torch.bfloat16, gradients reduced in torch.float32" in out
     assert "hand-off passed at the start and after each of the 2 steps" in out
     assert "tool     print(sum(range(10))) -> 45 in" in out  # the code tool's sandbox works where it runs
+    assert "flash    skipped: flash attention needs a GPU" in out
     assert (work / "sft" / "model" / "config.json").is_file()
     assert (work / "rl" / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()  # FSDP2 ran (sharded checkpoint)
     assert json.loads((work / "eval" / "results.json").read_text())["benchmarks"]
@@ -113,6 +114,12 @@ def test_the_lr_comparison_by_hand():
     assert slow == "sft lr at step 1 is 1e-07, 0.5x the schedule's 2e-07"
     assert gpu_smoke.lr_line("rl", []) == ("lr       rl: no lr logged", None)
     assert gpu_smoke.lr_line("sft", [(2, 1e-6, 0.0)])[1] == "sft lr at step 2 is 1e-06, the schedule's 0"
+
+
+def test_the_flash_check_is_registered_and_says_it_skipped_on_the_cpu():
+    assert gpu_smoke.flash_one_row_check in gpu_smoke.GPU_CHECKS
+    line, problem = gpu_smoke.flash_one_row_check("cpu")
+    assert line.startswith("flash    skipped: ") and problem is None
 
 
 def test_model_flops_of_qwen3_0_6b_by_hand():
