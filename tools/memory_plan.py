@@ -26,6 +26,8 @@ what train.py does:
   plumbing/logprobs.py computes the sampled tokens' log-probs a chunk of positions at a time and writes the gradient into the
   logits themselves, plus two fp32 chunk temporaries (`logprob_chunk_bytes`, at most 134 MB whatever T);
   bench/logprob_memory.py measures each case against the direct log-softmax (14 B under FSDP2);
+- the attention's mask (`mask_bytes`): under sdpa or eager a packed or padded micro-batch builds a dense
+  (rows, 1, width, width) mask, by the layout the config's attention gives (plumbing/attention.py); flash builds none;
 - the process itself, outside any of the above: the CUDA context and library workspaces (PROCESS_GB), and with more
   than one rank NCCL's buffers (NCCL_GB);
 - the sampler. A colocated vLLM engine, by vLLM 0.33's rules (read from its source; `vllm_engine`): it takes
