@@ -177,3 +177,28 @@ def test_hf_sampler_decodes_a_flash_model_with_sdpa_and_leaves_it_flash(flash_on
     got = HFSampler(model, tok).generate(prompts, [8, 8], temperature=0.0)
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     assert flash_on_cpu == [] and model.config._attn_implementation == "flash_attention_2"
+
+
+def test_an_update_on_flash_s_one_row_micro_batches_gives_the_padded_update(tiny, flash_on_cpu):  # noqa: F811
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+    _, kept = kept_batch(tiny)
+
+    def updated(attn: str, budget: int):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny / "base")
+        model.config._attn_implementation = attn
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
+        acc = Accelerator(cpu=True)
+        model, opt, sched = acc.prepare(model, opt, sched)
+        cfg = train.TrainConfig(micro_batch_size=2, grad_clip=1e9, max_tokens_per_micro_batch=budget)
+        work = one_process_work(kept, cfg, one_row=rl_stage.one_row_attention(acc.unwrap_model(model)))[0]
+        train.update_policy(acc, model, opt, sched, work, cfg, pad_id=0)
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), work
+    padded, _ = updated("sdpa", 0)
+    flash, work = updated("flash_attention_2", 200)
+    assert all(len(m.rows) == 1 for slots in work.minibatches for m in slots) and flash_on_cpu
+    base = torch.cat([p.flatten() for p in AutoModelForCausalLM.from_pretrained(tiny / "base").parameters()])
+    assert (padded - base).abs().max() > 1e-4
+    torch.testing.assert_close(flash, padded, rtol=0, atol=1e-6)
