@@ -26,9 +26,9 @@ from samplers.hf import HFSampler
 from test_train import kept_batch, tiny  # noqa: F401 (tiny: the module's model fixture)
 from tiny.model import build_model, build_tokenizer
 
-pytestmark = pytest.mark.spec
 
 
+@pytest.mark.spec
 # ============================================================================ the setting
 @pytest.mark.parametrize("entry", [train.TrainConfig, sft.SFTConfig, ev.EvalConfig])
 def test_attn_implementation_is_listed_by_each_entry_point_s_help(entry, capsys):
@@ -45,6 +45,7 @@ def rl_config(**kw):
     return train.TrainConfig(data=["problems.jsonl"], **kw)
 
 
+@pytest.mark.spec
 def test_an_attention_whose_kernel_is_not_installed_is_refused_with_one_line(monkeypatch):
     with pytest.raises(SystemExit) as stop:  # this machine has no flash_attn
         validate(rl_config(attn_implementation="flash_attention_2"), 1)
@@ -65,6 +66,7 @@ def test_an_attention_whose_kernel_is_not_installed_is_refused_with_one_line(mon
         validate(rl_config(attn_implementation=name), 1)
 
 
+@pytest.mark.spec
 def test_auto_is_flash_attention_2_on_a_gpu_with_flash_attn_and_sdpa_elsewhere(monkeypatch):
     for gpu, package, expected in [(True, True, "flash_attention_2"), (True, False, "sdpa"), (False, True, "sdpa")]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
@@ -75,6 +77,7 @@ def test_auto_is_flash_attention_2_on_a_gpu_with_flash_attn_and_sdpa_elsewhere(m
     assert attention.resolve("eager") == "eager" and not attention.one_row("sdpa")
 
 
+@pytest.mark.spec
 @pytest.mark.parametrize("version, refused", [("4.53.0", True), ("4.45.2", True), ("4.53.1", False), ("5.25.0", False)])
 def test_packing_is_refused_on_a_transformers_older_than_the_bound(monkeypatch, version, refused):
     """4.53.0's masks ignore position_ids: a packed sequence attends to the ones before it in its row."""
@@ -157,6 +160,7 @@ def test_flash_packs_one_row_with_positions_restarting_and_gives_the_padded_log_
     assert (wrong - padded).abs()[mask].max() > 1e-3
 
 
+@pytest.mark.spec
 def test_sft_packs_one_row_under_flash_attention():
     batch = [([5, 6, 7], [-100, 6, 7]), ([8, 9], [-100, 9]), ([4, 4, 4, 4], [-100, 4, 4, 4])]
     rows = sft.pack(batch, pad_id=0)
@@ -167,6 +171,7 @@ def test_sft_packs_one_row_under_flash_attention():
     assert one["labels"].tolist() == [[-100, 4, 4, 4, -100, 6, 7, -100, 9]] and one["num_tokens"].item() == 9
 
 
+@pytest.mark.spec
 def test_hf_sampler_decodes_a_flash_model_with_sdpa_and_leaves_it_flash(flash_on_cpu):
     """HFSampler gives each slot its own columns through a 4-D mask, which no flash kernel takes."""
     tok = build_tokenizer()
