@@ -13,6 +13,8 @@ the BPE ranks `make qwen-vocab` fetches (tools/qwen_vocab.py). Then each entry p
      rollouts with the code tool's workers running, the weight hand-off and its check after every step,
      checkpoints and the final save;
   3. eval.py on the RL stage's model with HFSampler (one plain process, as eval.py runs).
+Before them, the checks only a GPU can make (`GPU_CHECKS`), one line each: flash_attention_2's one-row packed
+micro-batch against the padded layout (`flash_one_row_check`); --cpu says it skipped them.
 On the CPU Accelerate runs no FSDP, so --cpu launches through tests/cpu_fsdp.py, which switches it on over gloo:
 the same code path, bf16 included.
 

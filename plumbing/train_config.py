@@ -222,8 +222,8 @@ def attention_line(cfg: TrainConfig) -> str:
     return f"attention              {said}; micro-batch layout {layout}: " + {
         "padded": "one rollout a row, padded to the longest",
         "one_row": "the packed rollouts in one row, kept apart by position_ids (no mask)",
-        "rows": "packed rows about as wide as the longest rollout, a (rows, 1, width, width) mask built from "
-                "position_ids"}[layout]
+        "rows": "packed rows about as wide as the longest rollout, kept apart by a mask built from position_ids "
+                "(sdpa, eager: a dense (rows, 1, width, width) one)"}[layout]
 
 
 def unbound_clip(cfg: TrainConfig) -> str:
