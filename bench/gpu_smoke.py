@@ -13,8 +13,8 @@ the BPE ranks `make qwen-vocab` fetches (tools/qwen_vocab.py). Then each entry p
      rollouts with the code tool's workers running, the weight hand-off and its check after every step,
      checkpoints and the final save;
   3. eval.py on the RL stage's model with HFSampler (one plain process, as eval.py runs).
-Before them, the checks only a GPU can make (`GPU_CHECKS`), one line each: flash_attention_2's one-row packed
-micro-batch against the padded layout (`flash_one_row_check`); --cpu says it skipped them.
+Before them, a GPU-only check that needs no vLLM (`ATTENTION_CHECKS`), one line: flash_attention_2's one-row packed
+micro-batch against the padded layout (`flash_one_row_check`); --cpu says it skipped it.
 On the CPU Accelerate runs no FSDP, so --cpu launches through tests/cpu_fsdp.py, which switches it on over gloo:
 the same code path, bf16 included.
 
@@ -418,8 +418,9 @@ def flash_one_row_check(mode: str) -> tuple[str, str | None]:
     return line, problem
 
 
-GPU_CHECKS = []  # functions of the mode returning (one line, problem or None), run before the entry points
-GPU_CHECKS.append(flash_one_row_check)
+# The GPU-only checks that need no vLLM, run before the entry points: each a function of the mode returning (one line,
+# a problem or None), saying itself when it skipped (GPU_CHECKS below: the vLLM lines, after them).
+ATTENTION_CHECKS = [flash_one_row_check]
 
 
 def main() -> None:
@@ -442,7 +443,7 @@ def main() -> None:
                "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([site] if site else [])
                                              + [p for p in [os.environ.get("PYTHONPATH")] if p])}
         tool = tool_check()
-        for check in GPU_CHECKS:
+        for check in ATTENTION_CHECKS:
             line, problem = check(mode)
             print(line)
             if problem:

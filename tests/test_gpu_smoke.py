@@ -117,7 +117,7 @@ def test_the_lr_comparison_by_hand():
 
 
 def test_the_flash_check_is_registered_and_says_it_skipped_on_the_cpu():
-    assert gpu_smoke.flash_one_row_check in gpu_smoke.GPU_CHECKS
+    assert gpu_smoke.flash_one_row_check in gpu_smoke.ATTENTION_CHECKS
     line, problem = gpu_smoke.flash_one_row_check("cpu")
     assert line.startswith("flash    skipped: ") and problem is None
 
