@@ -110,6 +110,8 @@ class EvalConfig:
     tool_result_format: str = "default"   # how a result reads: default ("ok\n4\n") | rstar2_public ("Tool call ...")
     newline_after_turn: bool = True       # "\n" after an assistant turn's <|im_end|> (the public agent loop: none)
     sampler: str = "hf"                   # hf (our decode loop, CPU/GPU) | vllm (GPU; CPU too) | reference (slow)
+    attn_implementation: str = "auto"     # auto | sdpa | eager | flash_attention_2 | ... (plumbing/attention.py)
+                                          # hf and reference only (hf decodes with sdpa under flash); vllm: its own
     batch_size: int = 64                  # rollouts per rollout() call; hf: also decoding slots (vllm: raise it)
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
     limit: int = 0                        # first N problems of each benchmark (0: all), for quick runs
@@ -153,6 +155,9 @@ def check_config(cfg: EvalConfig) -> None:
         problems.append(f"sampler must be hf, vllm or reference, got {cfg.sampler!r}")
     if not cfg.model_path:
         problems.append("model_path is required")
+    from plumbing import attention
+    if cfg.sampler != "vllm" and (attention_problem := attention.check(cfg.attn_implementation)):
+        problems.append(attention_problem)
     from code_tool import ERROR_FORMATS
     if cfg.tool_error_format not in ERROR_FORMATS:
         problems.append(f"tool_error_format must be one of {ERROR_FORMATS}, got {cfg.tool_error_format!r}")
@@ -500,10 +505,11 @@ def load_model(cfg: EvalConfig):
     from samplers.hf import HFSampler
     from samplers.reference import ReferenceSampler
     from samplers.vllm_engine import VLLMSampler
+    from plumbing import attention
     try:
         tokenizer = load_pretrained(AutoTokenizer, cfg.model_path)
-        model = None if cfg.sampler == "vllm" else load_pretrained(AutoModelForCausalLM, cfg.model_path,
-                                                                   torch_dtype="auto")
+        model = None if cfg.sampler == "vllm" else load_pretrained(
+            AutoModelForCausalLM, cfg.model_path, torch_dtype="auto", **attention.load_kwargs(cfg.attn_implementation))
     except ValueError as e:
         raise SystemExit(f"input error: {e}") from None
     rank, world = rank_of_process()

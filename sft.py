@@ -71,7 +71,7 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from plumbing import accel
-from plumbing import lora
+from plumbing import attention, lora
 from plumbing.checkpoint import (STATE_FILE, begin_run, input_dtype, latest_checkpoint, load_checkpoint, resume_point,
                         run_identity, save_checkpoint, save_model)
 from plumbing.config import check_ranges, format_config, parse_cli, save_config, tracker_config
@@ -115,6 +115,8 @@ class SFTConfig:
     newline_after_turn: bool = True  # "\n" after an assistant turn's <|im_end|> (the public agent loop writes none)
     mixed_precision: str = "no"  # "no" or "bf16" (Accelerate autocast; the weights stay fp32 masters)
     gradient_checkpointing: bool = False  # recompute each layer in the backward: activations of one layer, not all
+    attn_implementation: str = "auto"  # auto | sdpa | eager | flash_attention_2 | ... (plumbing/attention.py)
+                                       # auto: flash_attention_2 on a GPU with flash_attn, else sdpa
     lora_rank: int = 0  # LoRA's r (lora.py); 0: no LoRA, every weight trains as fp32 masters
     lora_alpha: float = 32.0  # the adapter's change is scaled by lora_alpha / lora_rank
     lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))  # modules adapted: all linear
@@ -188,14 +190,16 @@ def collate(batch: list[tuple[list, list]], pad_id: int) -> dict:
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
 
-def pack(batch: list[tuple[list, list]], pad_id: int) -> dict:
+def pack(batch: list[tuple[list, list]], pad_id: int, one_row: bool = False) -> dict:
     """The micro-batch's (ids, labels) packed into as few rows as first fit (longest first) allows, each row no
     longer than the longest conversation, instead of a padded row each: fewer rows and less padding for the same
     loss. position_ids restart at 0 for every conversation and there is no attention_mask, so transformers builds a
     block-diagonal causal mask from them (a new block wherever a position does not follow the one before it): no
     conversation attends to another. A conversation's first token is never a target (label IGNORE), as at position
-    0 of a padded row; a row's padding is a block of its own, never trained. num_tokens: the conversations' tokens."""
-    T = max(len(ids) for ids, _ in batch)
+    0 of a padded row; a row's padding is a block of its own, never trained. num_tokens: the conversations' tokens.
+    one_row: every conversation in one row, for flash attention (plumbing/attention.py: its kernels keep packed
+    sequences apart within a batch of one row only)."""
+    T = sum(len(ids) for ids, _ in batch) if one_row else max(len(ids) for ids, _ in batch)
     rows, room = [], []
     for i in sorted(range(len(batch)), key=lambda i: -len(batch[i][0])):
         n = len(batch[i][0])
@@ -424,7 +428,10 @@ def resume(acc: Accelerator, checkpoint: Path | None, steps_per_epoch: int, wind
 def check_inputs(cfg: SFTConfig):
     """Stop with a clear message before any work: a value out of range, missing model or data, a bad conversation
     (file and line)."""
-    if problems := check_ranges(cfg, RANGES) + lora.check_config(cfg):
+    problems = check_ranges(cfg, RANGES) + lora.check_config(cfg) + [attention.check(cfg.attn_implementation)]
+    if cfg.packing:
+        problems.append(attention.packing_problem(attention.transformers_version(), "packing=true"))
+    if problems := [p for p in problems if p]:
         raise SystemExit("config error: " + "; ".join(problems))
     try:
         check_model_path(cfg.model_path)
@@ -454,7 +461,8 @@ def load_model(cfg: SFTConfig, saved_dtype: torch.dtype):
     and biases)."""
     from transformers import AutoModelForCausalLM
     try:
-        model = load_pretrained(AutoModelForCausalLM, cfg.model_path, torch_dtype=lora.weights_dtype(cfg, saved_dtype))
+        model = load_pretrained(AutoModelForCausalLM, cfg.model_path, torch_dtype=lora.weights_dtype(cfg, saved_dtype),
+                                **attention.load_kwargs(cfg.attn_implementation))
     except ValueError as e:
         raise SystemExit(f"sft: {e}") from None
     if cfg.gradient_checkpointing:
@@ -477,6 +485,8 @@ def training_data(acc: Accelerator, cfg: SFTConfig, tokenizer, chat, conversatio
         raise SystemExit("sft: every conversation is longer than max_seq_len")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     collate_fn = functools.partial(COLLATE[cfg.packing], pad_id=pad_id)
+    if cfg.packing and attention.one_row(cfg.attn_implementation):  # flash: packed sequences apart in one row only
+        collate_fn = functools.partial(pack, pad_id=pad_id, one_row=True)
     # group_by_length=False is the same sampler with windows of one micro-batch: a plain shuffle, resumable alike
     batches = LengthGroupedBatches([len(ids) for ids, _ in examples], cfg.micro_batch_size, cfg.seed,
                                    window=32 if cfg.group_by_length else 1)

@@ -13,6 +13,8 @@ the BPE ranks `make qwen-vocab` fetches (tools/qwen_vocab.py). Then each entry p
      rollouts with the code tool's workers running, the weight hand-off and its check after every step,
      checkpoints and the final save;
   3. eval.py on the RL stage's model with HFSampler (one plain process, as eval.py runs).
+Before them, a GPU-only check that needs no vLLM (`ATTENTION_CHECKS`), one line: flash_attention_2's one-row packed
+micro-batch against the padded layout (`flash_one_row_check`); --cpu says it skipped it.
 On the CPU Accelerate runs no FSDP, so --cpu launches through tests/cpu_fsdp.py, which switches it on over gloo:
 the same code path, bf16 included.
 
@@ -373,6 +375,54 @@ def launch(script: str, args: list[str], mode: str, sizes: dict, env: dict, dead
         raise SystemExit(f"gpu smoke: FAIL: {script}.py exited with {done.returncode} (output above)")
 
 
+# ============================================================================ checks only a GPU can make
+FLASH_TOL = 1e-2  # bf16: the rounding a batch's new shape brings (tests/test_packing.py's bf16 tolerance)
+
+
+def flash_one_row_check(mode: str) -> tuple[str, str | None]:
+    """Flash attention's one-row layout (plumbing/attention.py) against the padded layout, same kernel: a random
+    Qwen3 of the rehearsal shape (real vocabulary) in bf16 with flash_attention_2, six rollouts packed end to end in
+    one row (positions restarting, no mask: what train.py forwards under flash) and padded one a row (flash unpads
+    them from the 2-D mask); their log-probs of the loss-masked tokens must agree within FLASH_TOL. The same rows
+    cut in two (what flash must never get: its kernels keep sequences apart only in a batch of one row) are shown
+    beside them. Returns (line, problem or None)."""
+    if mode == "cpu":
+        return "flash    skipped: flash attention needs a GPU (plumbing/attention.py's CPU tests cover the layout)", None
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash    skipped: the flash_attn package is not importable here (pip install flash-attn)", None
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from plumbing import batches
+    from plumbing.update_plan import MicroBatch, TrainRow
+    from tools.qwen_vocab import SHAPES
+    torch.manual_seed(0)
+    config = Qwen3Config(**SHAPES["rehearsal"], attn_implementation="flash_attention_2")
+    model = Qwen3ForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for n in (37, 120, 9, 64, 80, 5):  # prompt + response tokens; a quarter prompt, every seventh token tool text
+        ids, p = torch.randint(1, config.vocab_size, (n,), generator=g).tolist(), max(1, n // 4)
+        rows.append(TrainRow(ids[:p], ids[p:], [int(j % 7 != 0) for j in range(n - p)], None, 1.0))
+    total = sum(len(t.prompt_ids) + len(t.response_ids) for t in rows)
+
+    def logprobs(batch):
+        with torch.no_grad():
+            return batches.token_logprobs(model, {k: v.to("cuda") for k, v in batch.items()}, 1.0).float().cpu()
+    padded_batch = batches.pad_batch(rows, pad_id=0)
+    mask = padded_batch["loss_mask"].bool()
+    padded = logprobs(padded_batch)
+    one_row = (logprobs(batches.pack_batch(MicroBatch([rows], total), 0)) - padded).abs()[mask].max().item()
+    two_rows = (logprobs(batches.pack_batch(MicroBatch([rows[:3], rows[3:]], total), 0)) - padded).abs()[mask].max()
+    line = (f"flash    flash_attention_2, {len(rows)} rollouts: one packed row against padded rows, max |log-prob "
+            f"difference| {one_row:.2e} (tolerance {FLASH_TOL:g}); the same packed in two rows {two_rows.item():.2e}")
+    problem = None if one_row <= FLASH_TOL else f"flash one-row log-probs {one_row:.2e} from the padded ones"
+    return line, problem
+
+
+# The GPU-only checks that need no vLLM, run before the entry points: each a function of the mode returning (one line,
+# a problem or None), saying itself when it skipped (GPU_CHECKS below: the vLLM lines, after them).
+ATTENTION_CHECKS = [flash_one_row_check]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="on the CPU, a narrow shape (what CI runs)")
@@ -393,6 +443,11 @@ def main() -> None:
                "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([site] if site else [])
                                              + [p for p in [os.environ.get("PYTHONPATH")] if p])}
         tool = tool_check()
+        for check in ATTENTION_CHECKS:
+            line, problem = check(mode)
+            print(line)
+            if problem:
+                raise SystemExit(f"gpu smoke: FAIL: {problem}")
         files = write_inputs(work, sizes)
         common = ["report_to=null", f"system_prompt={sizes['system_prompt']}"]
         common += ["torch_threads=1"] if mode == "cpu" else []

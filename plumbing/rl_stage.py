@@ -14,7 +14,7 @@ import torch
 from code_tool import CodeTool, SandboxError, announce, choose_sandbox
 from eval import trajectory_record
 from grpo_roc import penalty_total
-from plumbing import accel, cpu_threads, handoff, lora
+from plumbing import accel, attention, cpu_threads, handoff, lora
 from plumbing.checkpoint import (atomic_write_text, begin_run, input_dtype, load_checkpoint, load_optimizer,
                                  optimizer_file, resume_point, run_identity)
 from plumbing.config import format_config, save_config, tracker_config
@@ -114,7 +114,8 @@ def setup(cfg: TrainConfig):
     # weights stay frozen in the checkpoint's dtype and only the adapter trains (plumbing/lora.py).
     try:
         model = load_pretrained(AutoModelForCausalLM, cfg.model_path,
-                                torch_dtype=lora.weights_dtype(cfg, input_dtype(cfg.model_path)))
+                                torch_dtype=lora.weights_dtype(cfg, input_dtype(cfg.model_path)),
+                                **attention.load_kwargs(cfg.attn_implementation))
     except ValueError as e:
         raise SystemExit(f"input error: {e}") from None
     if cfg.gradient_checkpointing:
@@ -160,8 +161,8 @@ def setup(cfg: TrainConfig):
 def one_row_attention(model) -> bool:
     """Whether the model's attention keeps packed sequences apart at the cost of their own lengths only (flash
     attention's varlen kernels, which read the sequences from position_ids in a batch of one row): then a packed
-    micro-batch is one row (update_plan.layout_for)."""
-    return "flash" in str(getattr(model.config, "_attn_implementation", ""))
+    micro-batch is one row (update_plan.layout_for; plumbing/attention.py)."""
+    return attention.one_row(str(getattr(model.config, "_attn_implementation", "")))
 
 
 def make_sampler(cfg: TrainConfig, model, tokenizer):

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from code_tool import ERROR_FORMATS
 from grpo_roc import LOSSES, ROC_SELECTORS
 from mismatch import CORRECTIONS
-from plumbing import accel, lora
+from plumbing import accel, attention, lora
 from plumbing.config import check_ranges
 from plumbing.lora import DEFAULT_TARGETS
+from plumbing.update_plan import layout_for
 from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of, encode
 from schedule import SCHEDULES
 from tools.memory_plan import engine_lines, memory_lines
@@ -107,6 +108,8 @@ class TrainConfig:
     optimizer_from: str | None = None     # a run or checkpoint folder whose AdamW state to start from; None: fresh
     mixed_precision: str = "no"           # no | bf16
     gradient_checkpointing: bool = False
+    attn_implementation: str = "auto"     # auto | sdpa | eager | flash_attention_2 | ... (plumbing/attention.py)
+                                          # auto: flash_attention_2 on a GPU with flash_attn, else sdpa
     lora_rank: int = 0                    # LoRA's r (lora.py); 0: no LoRA, every weight trains as fp32 masters
     lora_alpha: float = 32.0              # the adapter's change is scaled by lora_alpha / lora_rank
     lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))  # modules adapted: all linear
@@ -193,8 +196,34 @@ def plan_lines(cfg: TrainConfig, world: int) -> list[str]:
         f"at most {per_rank * cfg.rollouts_per_prompt * cfg.max_response_tokens:,} response tokens per rank per step",
         f"steps                  {cfg.steps} (stage {cfg.stage}), lr {cfg.lr} after {cfg.warmup_steps} warm-up steps",
         f"sampler                {cfg.sampler}; data {cfg.data}; out {cfg.out_dir}",
+        attention_line(cfg),
     ]
-    return lines + engine_lines(cfg, world) + memory_lines(cfg, world)
+    name = attention.resolve(cfg.attn_implementation)
+    layout = layout_for(cfg.max_tokens_per_micro_batch, attention.one_row(name))
+    return lines + engine_lines(cfg, world) + memory_lines(cfg, world, name, layout)
+
+
+def attention_problems(cfg: TrainConfig, loading: bool) -> list[str]:
+    """The attention's problems (plumbing/attention.py: an unknown name, a kernel not importable when a model will be
+    loaded) and packing's: micro-batches cut by tokens on a transformers that packs wrongly."""
+    problems = [p for p in [attention.check(cfg.attn_implementation, loading)] if p]
+    if cfg.max_tokens_per_micro_batch:
+        packing = attention.packing_problem(attention.transformers_version(),
+                                            f"max_tokens_per_micro_batch={cfg.max_tokens_per_micro_batch}")
+        problems += [packing] if packing else []
+    return problems
+
+
+def attention_line(cfg: TrainConfig) -> str:
+    """The dry run's line for the attention and the update's layout (update_plan.layout_for)."""
+    name = attention.resolve(cfg.attn_implementation)
+    said = f"{name} (auto on this machine)" if cfg.attn_implementation == "auto" else name
+    layout = layout_for(cfg.max_tokens_per_micro_batch, attention.one_row(name))
+    return f"attention              {said}; micro-batch layout {layout}: " + {
+        "padded": "one rollout a row, padded to the longest",
+        "one_row": "the packed rollouts in one row, kept apart by position_ids (no mask)",
+        "rows": "packed rows about as wide as the longest rollout, kept apart by a mask built from position_ids "
+                "(sdpa, eager: a dense (rows, 1, width, width) one)"}[layout]
 
 
 def unbound_clip(cfg: TrainConfig) -> str:
@@ -240,6 +269,7 @@ def validate(cfg: TrainConfig, world: int) -> None:
         problems.append(f"schedule must be one of {list(SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.sampler not in ("hf", "vllm"):
         problems.append(f"sampler must be hf or vllm, got {cfg.sampler!r}")
+    problems += attention_problems(cfg, loading=not cfg.dry_run)
     if cfg.vllm_tensor_parallel_size != 1:
         problems.append(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size}: only 1 is supported (one "
                         "engine per rank; tensor parallelism would need a rank group to submit the same requests)")

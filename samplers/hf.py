@@ -18,8 +18,10 @@ bench/rollout.py measures it: plain sampling 2.3x transformers `generate`; a mul
 
 Left out: paged memory (slots hold whole rows, laid out again when they run out), speculative decoding, and any
 kernel beyond what the model's own attention implementation does. Needs a model whose attention calls
-`cache.update(k, v, layer_idx)` and accepts a 4-D additive mask (transformers 4.57 and 5.x decoder LMs do).
+`cache.update(k, v, layer_idx)` and accepts a 4-D additive mask (transformers 4.57 and 5.x decoder LMs do); a model
+loaded with flash attention, which takes no such mask, decodes here with sdpa (`mask_taking_attention`).
 """
+import contextlib
 import inspect
 from collections import deque
 from dataclasses import dataclass, field
@@ -83,6 +85,22 @@ class _PrefixStore:
 
     def clear(self) -> None:
         self.entries.clear()
+
+
+@contextlib.contextmanager
+def mask_taking_attention(model):
+    """The model's attention set to sdpa for the length of the block when it is a flash kernel: transformers' flash
+    path reads a 2-D padding mask or position_ids, not the 4-D mask that gives each slot its own columns here. The
+    trainer's own model (colocated) keeps flash for the update."""
+    name = getattr(model.config, "_attn_implementation", None)
+    if not name or "flash" not in name:
+        yield
+        return
+    model.config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = name
 
 
 def load_named_weights(model: torch.nn.Module, weights, partial: bool = False) -> None:
@@ -403,7 +421,8 @@ class HFSampler:
         kwargs = {self._cache_kw: cache, "use_cache": True}
         if self._keep_kw and not every_token:
             kwargs[self._keep_kw] = 1
-        logits = self.model(input_ids=ids, position_ids=pos, attention_mask=mask[:, None], **kwargs).logits
+        with mask_taking_attention(self.model):
+            logits = self.model(input_ids=ids, position_ids=pos, attention_mask=mask[:, None], **kwargs).logits
         return logits if every_token else logits[:, -1]
 
     @property

@@ -38,6 +38,7 @@ def test_the_cpu_version_runs_sft_train_and_eval_under_fsdp2_in_bf16_and_passes(
     assert "hand-off passed at the start and after each of the 2 steps" in out
     assert "tool     print(sum(range(10))) -> 45 in" in out  # the code tool's sandbox works where it runs
     assert "skipped  exit_under_async_scheduling: needs a GPU" in out
+    assert "flash    skipped: flash attention needs a GPU" in out
     assert (work / "sft" / "model" / "config.json").is_file()
     assert (work / "rl" / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()  # FSDP2 ran (sharded checkpoint)
     assert json.loads((work / "eval" / "results.json").read_text())["benchmarks"]
@@ -130,6 +131,10 @@ def test_the_exit_check_passes_a_prompt_exit_and_fails_a_hang(tmp_path, monkeypa
     got, why = gpu_smoke.exit_under_async_scheduling(tmp_path, {"model": "unused"},
                                                     {**os.environ, "PYTHONPATH": str(ROOT)})
     assert got.startswith(line) and why == problem
+def test_the_flash_check_is_registered_and_says_it_skipped_on_the_cpu():
+    assert gpu_smoke.flash_one_row_check in gpu_smoke.ATTENTION_CHECKS
+    line, problem = gpu_smoke.flash_one_row_check("cpu")
+    assert line.startswith("flash    skipped: ") and problem is None
 
 
 def test_model_flops_of_qwen3_0_6b_by_hand():

@@ -5,8 +5,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import train
-from tools.memory_plan import (GB, PUBLIC_CONFIGS, Shape, engine_layout, logprob_chunk_bytes, memory_per_gpu,
-                         sft_memory_lines, sft_memory_per_gpu)
+from tools.memory_plan import (GB, PUBLIC_CONFIGS, Shape, engine_layout, logprob_chunk_bytes, mask_bytes,
+                         memory_per_gpu, micro_batch_rows, sft_memory_lines, sft_memory_per_gpu)
 
 pytestmark = pytest.mark.spec  # the one-minute tier: make test-fast
 
@@ -112,13 +112,14 @@ def test_each_rank_has_its_own_device_on_its_node_and_its_own_seed():
 
 
 def test_dry_run_prints_engines_and_memory_for_64_gpus(capsys):
-    train.main(["configs/qwen3-14b/stage1.yaml", "dry_run=true", "world_size=64"])
+    flash = "attn_implementation=flash_attention_2"  # one row, no mask (sdpa's: the next test)
+    train.main(["configs/qwen3-14b/stage1.yaml", "dry_run=true", "world_size=64", flash])
     out = capsys.readouterr().out
     assert "rank 63: node 7 cuda:7 seed 63" in out and "TP 1" in out
     assert "14.77B parameters" in out and "FSDP over 8 GPUs" in out
     assert "engine 75.3 (0.5 x 150.7: weights 29.5" in out and "= 251,679 tokens)" in out
     assert "= 99.1 of 150.7 GB" in out and "= 97.0 of 150.7 GB" in out and "OVER" not in out
-    train.main(["configs/qwen3-14b/stage1.yaml", "dry_run=true", "world_size=64", "gpu_memory_gb=40"])
+    train.main(["configs/qwen3-14b/stage1.yaml", "dry_run=true", "world_size=64", "gpu_memory_gb=40", flash])
     out = capsys.readouterr().out
     assert "= 97.0 of 40 GB  OVER: does not fit" in out  # the update
     assert "KV CACHE TOO SMALL" in out  # half of 40 GB does not even hold the engine's 29.5 GB of weights
@@ -204,3 +205,34 @@ def test_the_plan_says_the_engine_starts_from_dummy_weights_and_what_each_hand_o
     train.main([config, "dry_run=true"])
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("engine weights"))
     assert "vLLM's dummy weights at start (no checkpoint read)" in line and sent in line and "no host RAM" in line
+
+
+def test_the_attention_mask_by_hand():
+    """sdpa: a bool entry kept, and torch's bf16 additive copy at each layer's call, kept for the backward (one layer
+    with checkpointing, all without); eager: its additive mask and each kept layer's scores; flash: none."""
+    args = dict(rows=2, width=10, fsdp=True)
+    assert mask_bytes(TOY, "sdpa", "rows", gradient_checkpointing=True, **args) == 2 * 10 * 10 * (1 + 2)
+    assert mask_bytes(TOY, "sdpa", "rows", gradient_checkpointing=False, **args) == 2 * 10 * 10 * (1 + 2 * 2)
+    assert mask_bytes(TOY, "eager", "rows", gradient_checkpointing=True, **args) == 2 * 10 * 10 * (2 + 2 * (2 + 4))
+    for attention, layout in [("flash_attention_2", "one_row"), ("flash_attention_2", "padded"),
+                              ("sdpa", "one_row"), ("flex_attention", "rows")]:
+        assert mask_bytes(TOY, attention, layout, gradient_checkpointing=True, **args) == 0
+    # the widest micro-batch each layout forms (update_plan.row_widths: up to twice the longest rollout)
+    assert micro_batch_rows("rows", 10_240, 49_152, 4) == (2, 20_480)
+    assert micro_batch_rows("rows", 10_240, 16_384, 4) == (1, 16_384)
+    assert micro_batch_rows("padded", 10_240, 0, 4) == (4, 10_240)
+    assert micro_batch_rows("one_row", 10_240, 49_152, 4) == (1, 49_152)
+
+
+def test_the_dry_run_counts_the_mask_of_sdpa_s_layout_and_none_under_flash(capsys):
+    """configs/qwen3-14b stage 1 (rollouts of 2,048 + 8,192 tokens, 49,152 a micro-batch, checkpointing): under sdpa
+    rows up to 20,480 wide, two a micro-batch, a 2 x 20,480^2 mask at 3 B an entry (2.5 GB); flash: one row, none."""
+    out = {}
+    for name in ("sdpa", "flash_attention_2"):
+        train.main(["configs/qwen3-14b/stage1.yaml", "dry_run=true", "world_size=64", f"attn_implementation={name}"])
+        out[name] = capsys.readouterr().out
+    mask = 2 * 20_480 ** 2 * 3 / 1e9
+    assert f"sdpa mask {mask:.1f} (2 x 20,480^2) + " in out["sdpa"] and "= 99.6 of 150.7 GB" in out["sdpa"]
+    assert "attention              sdpa; micro-batch layout rows" in out["sdpa"]
+    assert " mask " not in out["flash_attention_2"] and "= 97.0 of 150.7 GB" in out["flash_attention_2"]
+    assert "attention              flash_attention_2; micro-batch layout one_row" in out["flash_attention_2"]

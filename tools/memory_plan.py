@@ -26,6 +26,8 @@ what train.py does:
   plumbing/logprobs.py computes the sampled tokens' log-probs a chunk of positions at a time and writes the gradient into the
   logits themselves, plus two fp32 chunk temporaries (`logprob_chunk_bytes`, at most 134 MB whatever T);
   bench/logprob_memory.py measures each case against the direct log-softmax (14 B under FSDP2);
+- the attention's mask (`mask_bytes`): under sdpa or eager a packed or padded micro-batch builds a dense
+  (rows, 1, width, width) mask, by the layout the config's attention gives (plumbing/attention.py); flash builds none;
 - the process itself, outside any of the above: the CUDA context and library workspaces (PROCESS_GB), and with more
   than one rank NCCL's buffers (NCCL_GB);
 - the sampler. A colocated vLLM engine, by vLLM 0.33's rules (read from its source; `vllm_engine`): it takes
@@ -176,7 +178,8 @@ def vllm_engine(shape: Shape, *, fraction: float, gpu_gb: float, tp: int = 1, ea
 def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, seq_tokens: int,
                    gradient_checkpointing: bool, sampler: str, gpu_gb: float, world: int = 1,
                    engine_fraction: float = 0.5, engine_tp: int = 1, engine_eager: bool = False,
-                   hf_slots: int = 0, micro_tokens: int = 0, lora: int = 0) -> dict[str, float]:
+                   hf_slots: int = 0, micro_tokens: int = 0, lora: int = 0,
+                   mask: float = 0.0) -> dict[str, float]:
     """Estimated GB per GPU, by term, for one rank of a run (the module docstring says what each term counts).
 
     shard: GPUs the policy's weights, gradients and AdamW state are divided over (1: not sharded); world: ranks in
@@ -186,7 +189,8 @@ def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, se
     seq_tokens) or "none" (SFT). Returns the terms, `rollout_peak` (trainer state + sampler while sampling),
     `update_peak` (the policy update, the engine asleep) and `kv_cache_tokens` (tokens the KV cache holds).
     lora: the parameters of a LoRA adapter (`Shape.lora_params`; 0: full fine-tuning). Then the model's own weights
-    are frozen in bf16 (sharded under FSDP) and only the adapter has fp32 weights, gradients and AdamW moments."""
+    are frozen in bf16 (sharded under FSDP) and only the adapter has fp32 weights, gradients and AdamW moments.
+    mask: bytes of the attention's dense mask during the update (`mask_bytes`; 0 under flash attention)."""
     p, tokens = shape.params, micro_tokens or micro_batch * seq_tokens
     trained = lora or p  # parameters with fp32 masters, gradients and AdamW state
     m = {
@@ -199,6 +203,7 @@ def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, se
         "activations": activation_bytes(shape, tokens, gradient_checkpointing) / GB,
         "logits": (LOGITS_BYTES[fsdp] * tokens * shape.vocab + logprob_chunk_bytes(tokens, shape.vocab)) / GB,
         "process": PROCESS_GB + (NCCL_GB if world > 1 else 0.0),
+        "mask": mask / GB,
     }
     if sampler == "vllm":
         m.update(vllm_engine(shape, fraction=engine_fraction, gpu_gb=gpu_gb, tp=engine_tp, eager=engine_eager))
@@ -214,8 +219,41 @@ def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, se
         asleep = m["sampler_weights"]  # HFSampler frees its KV buffers for the update; its copy stays
     m["rollout_peak"] = m["weights"] + m["adamw"] + sampling + m["process"]  # gradients are freed after each step
     m["update_peak"] = (m["weights"] + m["grads"] + m["adamw"] + m["gathered"] + m["activations"] + m["logits"]
-                        + asleep + m["process"])
+                        + m["mask"] + asleep + m["process"])
     return m
+
+
+def mask_bytes(shape: Shape, attention: str, layout: str, rows: int, width: int, gradient_checkpointing: bool,
+               fsdp: bool) -> float:
+    """The dense attention mask of one micro-batch of `rows` rows of `width` tokens during its forward and backward
+    (update_plan.layout_for's layouts; plumbing/attention.py). Flash attention takes the sequences' bounds from
+    position_ids and flex a block mask of (width / 128)^2 entries: nothing counted. sdpa: transformers' bool mask
+    (rows, 1, width, width), 1 B an entry, kept to the end of the backward; torch's sdpa converts it to an additive
+    mask in the compute dtype at every layer's call (2 B), which its memory-efficient kernel keeps for the backward:
+    one layer's with gradient checkpointing (the one recomputed), every layer's without. eager: transformers'
+    additive mask in the embeddings' dtype (bf16 under FSDP2, fp32 under autocast) and every kept layer's scores
+    (heads x width^2: bf16 probabilities and their fp32 softmax). An estimate; a padded micro-batch without padding
+    builds none, counted all the same."""
+    if layout == "one_row" or attention not in ("sdpa", "eager"):
+        return 0.0
+    layers = 1 if gradient_checkpointing else shape.layers
+    if attention == "sdpa":
+        per_entry = 1 + COMPUTE_BYTES * layers
+    else:
+        per_entry = (COMPUTE_BYTES if fsdp else MASTER_BYTES) + shape.heads * (COMPUTE_BYTES + 4) * layers
+    return rows * width * width * per_entry
+
+
+def micro_batch_rows(layout: str, tokens: int, budget: int, micro_batch_size: int) -> tuple[int, int]:
+    """(rows, width) of the widest micro-batch a layout forms for sequences of at most `tokens` tokens: padded,
+    micro_batch_size rows of `tokens`; rows (update_plan.row_widths), rows up to twice the longest and the budget
+    wide, budget // width of them (rows x width^2 grows with the width); one_row, one row of the budget."""
+    if layout == "padded":
+        return micro_batch_size, tokens
+    if layout == "rows":
+        width = max(tokens, min(budget, 2 * tokens))
+        return max(1, budget // width), width
+    return 1, max(budget, tokens)
 
 
 def logprob_chunk_bytes(tokens: int, vocab: int) -> int:
@@ -311,9 +349,10 @@ def shape_of(model_path: str, model_shape: str = "") -> tuple[Shape, str] | str:
     return f"memory per GPU         no estimate: {config} does not exist yet; give model_shape= ({known})"
 
 
-def memory_lines(cfg, world: int) -> list[str]:
+def memory_lines(cfg, world: int, attention: str = "sdpa", layout: str = "") -> list[str]:
     """The dry-run plan's lines for the memory estimate per GPU (`memory_per_gpu`), from a train.TrainConfig, for
-    the model_path's config.json or the named public shape (model_shape)."""
+    the model_path's config.json or the named public shape (model_shape); attention and layout: what the update
+    runs (plumbing/attention.py, update_plan.layout_for), for the mask it builds (`mask_bytes`)."""
     found = shape_of(cfg.model_path, cfg.model_shape)
     if isinstance(found, str):
         return [found]
@@ -324,11 +363,14 @@ def memory_lines(cfg, world: int) -> list[str]:
     # by tokens: a micro-batch holds at most the budget, or one rollout longer than it
     budget = cfg.max_tokens_per_micro_batch
     micro = max(budget, tokens) if budget else cfg.micro_batch_size * tokens
+    layout = layout or ("rows" if budget else "padded")
+    rows, width = micro_batch_rows(layout, tokens, budget, cfg.micro_batch_size)
     m = memory_per_gpu(shape, shard=shard, fsdp=cfg.fsdp, micro_batch=cfg.micro_batch_size, seq_tokens=tokens,
                        gradient_checkpointing=cfg.gradient_checkpointing, sampler=cfg.sampler,
                        gpu_gb=cfg.gpu_memory_gb, world=world, engine_fraction=cfg.vllm_gpu_memory_utilization,
                        engine_tp=cfg.vllm_tensor_parallel_size, engine_eager=cfg.vllm_enforce_eager,
-                       hf_slots=cfg.rollout_batch_size, micro_tokens=micro, lora=adapter)
+                       hf_slots=cfg.rollout_batch_size, micro_tokens=micro, lora=adapter,
+                       mask=mask_bytes(shape, attention, layout, rows, width, cfg.gradient_checkpointing, cfg.fsdp))
     gpu = cfg.gpu_memory_gb
 
     def fits(total: float) -> str:
@@ -355,7 +397,9 @@ def memory_lines(cfg, world: int) -> list[str]:
         f"{m['process']:.1f} = {fits(m['rollout_peak'])}",
         f"  while updating       weights {m['weights']:.1f} + gradients {m['grads']:.1f} + AdamW {m['adamw']:.1f} + "
         f"gathered bf16 {m['gathered']:.1f} + activations {m['activations']:.1f} + logits {m['logits']:.1f} + "
-        f"{asleep} + process {m['process']:.1f} = {fits(m['update_peak'])}",
+        + (f"{attention} mask{' and scores' if attention == 'eager' else ''} {m['mask']:.1f} "
+           f"({rows} x {width:,}^2) + " if m["mask"] else "")
+        + f"{asleep} + process {m['process']:.1f} = {fits(m['update_peak'])}",
     ] + ([f"  KV CACHE TOO SMALL    {m['kv_cache_tokens']:,.0f} tokens hold less than one rollout of {tokens:,}: "
           "raise vllm_gpu_memory_utilization (the engine's share of the GPU)"]
          if m["kv_cache_tokens"] < tokens else [])
