@@ -142,19 +142,23 @@ def setup(cfg: TrainConfig):
         step = load_checkpoint(acc, start)["step"]
         acc.print(f"resumed from {start} at step {step}")
     sampler = make_sampler(cfg, handoff.sampler_policy(cfg, acc, model), tokenizer)
-    # The sampler starts from the trainer's weights (a resumed checkpoint's too), checked before any rollout.
-    probe = encode(tokenizer, fmt.prompt(problems[0]["problem"]))[:handoff.HANDOFF_PROBE_TOKENS]
-    # the objects a step needs, built once: a plain namespace, not a framework
-    run = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
-                          tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems, probe=probe,
-                          pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out,
-                          identity=identity, handoff_check=handoff.sync(acc, model, sampler, probe, "at the start"),
-                          one_row=one_row_attention(acc.unwrap_model(model)),
-                          peers=accel.peers(cfg.peer_timeout_s, "train"))
-    run.tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
-                        max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
-                        require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)
-    default_pool().start()  # the answer checkers import sympy while the first rollout runs, not after it
+    try:  # an error from here on ends the engine as one in the loop does (run_stage's `finally`)
+        # The sampler starts from the trainer's weights (a resumed checkpoint's too), checked before any rollout.
+        probe = encode(tokenizer, fmt.prompt(problems[0]["problem"]))[:handoff.HANDOFF_PROBE_TOKENS]
+        # the objects a step needs, built once: a plain namespace, not a framework
+        run = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                              tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems, probe=probe,
+                              pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out,
+                              identity=identity, handoff_check=handoff.sync(acc, model, sampler, probe, "at the start"),
+                              one_row=one_row_attention(acc.unwrap_model(model)),
+                              peers=accel.peers(cfg.peer_timeout_s, "train"))
+        run.tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
+                            max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
+                            require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)
+        default_pool().start()  # the answer checkers import sympy while the first rollout runs, not after it
+    except BaseException:
+        accel.end_sampler(sampler)  # on an error path: abandoned, no shutdown at exit on the ended groups
+        raise
     return step, run
 
 

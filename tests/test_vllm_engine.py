@@ -518,16 +518,41 @@ def test_train_py_on_a_bf16_engine_logs_its_gap(tiny, product_data, tmp_path):
     assert row["mismatch/k3_kl"] > 0 and 0 < row["mismatch/seq_ess_frac"] < 1
 
 
-def test_train_py_stops_after_one_step_when_the_engine_skips_updates(tiny, say_data, tmp_path):
-    out = tmp_path / "run"
-    skip = ("import sys, train; from plumbing import accel; from samplers.vllm_engine import VLLMSampler; "
-            "VLLMSampler.update_weights = lambda self, model: None; "
-            "accel.run_and_exit(lambda: train.main(sys.argv[1:]))")
-    done = subprocess.run([sys.executable, "-c", skip] + train_args(tiny, say_data, out)[1:], cwd=ROOT, env=ENV,
+def train_py_with_update(tiny, data, out, update: str):
+    """train.py on the engine, its `VLLMSampler.update_weights(self, model)` replaced by `update`, which may call
+    the real one as `real(self, weights)`."""
+    script = f"""import sys, train
+from plumbing import accel
+from samplers.vllm_engine import VLLMSampler
+real, sent = VLLMSampler.update_weights, []
+{update}
+VLLMSampler.update_weights = update
+accel.run_and_exit(lambda: train.main(sys.argv[1:]))
+"""
+    return subprocess.run([sys.executable, "-c", script] + train_args(tiny, data, out)[1:], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=600)
+
+
+def test_train_py_stops_after_one_step_when_the_engine_skips_updates(tiny, say_data, tmp_path):
+    """The start's hand-off arrives, step 1's is dropped silently: the check after step 1 stops the run with one
+    line, the last on stderr."""
+    done = train_py_with_update(tiny, say_data, tmp_path / "run", """def update(self, model):
+    if not sent:
+        sent.append(real(self, model))""")
     assert done.returncode == 1
-    assert "hand-off error after step 1: " in done.stderr.splitlines()[-1]  # one line, the last
-    assert not (out / "metrics.jsonl").exists()
+    assert "hand-off error after step 1: " in done.stderr.splitlines()[-1], done.stderr[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_train_py_ends_the_engine_when_setup_fails_after_building_it(tiny, say_data, tmp_path):
+    """The start's hand-off sends other weights (the final norm doubled): setup's check fails after the engine is
+    built, which ends it as an error in the loop does; vLLM prints nothing after the one-line error at exit."""
+    done = train_py_with_update(tiny, say_data, tmp_path / "run", """def update(self, model):
+    real(self, [(n, 2 * t if n == "model.norm.weight" else t) for n, t in model.state_dict().items()])""")
+    assert done.returncode == 1
+    assert "hand-off error at the start: " in done.stderr.splitlines()[-1], done.stderr[-3000:]
+    assert "Invalid process group" not in done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_eval_py_runs_on_the_engine(tiny, say_data, tmp_path):
