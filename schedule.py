@@ -7,8 +7,9 @@ are easy, and every rank waits for it. The config field `schedule` (`SCHEDULES`)
 
 - Claiming (phase 2). The step's rollouts, in (prompt, index) order, sit behind one shared counter in the process
   group's store (the TCP store that torchrun and `accelerate launch` already run); a rank claims the next
-  `claim_size` of them (`store.add(key, 1)`) whenever fewer than `capacity` of its rollouts are unfinished
-  (`rollout_batch_size`: the requests its engine runs at once), until they run out. A rank whose rollouts finish
+  `claim_size` of them (`store.add(key, 1)`) whenever its claim rule finds room (`CLAIM_RULES`, config
+  `claim_rule`): its engine can start one more now (`free_kv`), or fewer than `rollout_batch_size` of its rollouts
+  are unfinished (`count`), until they run out. A rank whose rollouts finish
   early takes more; nobody holds work its engine cannot start; one prompt's rollouts may run on several ranks.
   Under `static` each rank rolls out a fixed, contiguous share of the step's prompts instead.
 - Scores (before phases 4-6). Every rank gathers every rollout's few numbers (`gather_scores`: its place in the
@@ -19,7 +20,9 @@ are easy, and every rank waits for it. The config field `schedule` (`SCHEDULES`)
 
 What the report describes and what this does: the report's scheduler dispatches single requests to engines by their
 free KV cache, from one controller. Here there is no controller: each rank claims a few rollouts when its count of
-unfinished rollouts leaves room, and the engine (vLLM, or samplers/hf.py) packs its own KV cache. On one process
+unfinished rollouts leaves room (`claim_rule: count`), or while its engine says it has room for one more (`claim_rule:
+free_kv`, the real configs' rule: the engine's free KV cache now, as vLLM admits), and the engine (vLLM, or
+samplers/hf.py) packs its own KV cache. On one process
 there is nobody to share with: the rank claims the whole step at once, exactly what the static schedule does.
 
 Results do not depend on which rank rolled a rollout out: the step's prompts are `train.prompt_indices`, RoC's
@@ -47,16 +50,18 @@ def static_claims(n_slots: int, per_group: int, rank: int, world: int):
     return claim
 
 
-def store_claims(store, key: str, n_slots: int, claim_size: int, capacity: float):
+def store_claims(store, key: str, n_slots: int, claim_size: int, capacity: float, room=None):
     """Claims through a shared counter: claim(running) -> the step slots taken now, `claim_size` consecutive ones a
-    claim, claim after claim while `running` (this rank's unfinished rollouts) plus what it has just taken stays
-    under `capacity`; [] once the counter has passed the last claim (the store is not asked again)."""
+    claim, claim after claim while the rank has room: room(running, taken) with `running` this rank's unfinished
+    rollouts and `taken` the slots this call has already taken (a claim rule below; default `count_rule` with
+    `capacity`); [] once the counter has passed the last claim (the store is not asked again)."""
     claims, done = -(-n_slots // claim_size), False
+    room = room or count_rule(None, capacity)
 
     def claim(running: int) -> list[int]:
         nonlocal done
         out = []
-        while not done and running + len(out) < capacity:
+        while not done and room(running, len(out)):
             c = store.add(key, 1) - 1  # add returns the counter after adding: every value goes to one rank
             if c >= claims:
                 done = True
@@ -64,6 +69,31 @@ def store_claims(store, key: str, n_slots: int, claim_size: int, capacity: float
                 out += range(c * claim_size, min((c + 1) * claim_size, n_slots))
         return out
     return claim
+
+
+# ============================================================================ claim rules (config `claim_rule`)
+def count_rule(sampler, capacity: float):
+    """Room while fewer than `capacity` (rollout_batch_size) of the rank's rollouts are unfinished: a count, which
+    holds a rollout waiting for its tool call as one that decodes, and knows nothing of the engine's cache."""
+    return lambda running, taken: running + taken < capacity
+
+
+def free_kv_rule(sampler, capacity: float):
+    """The report's rule (§3.2): room while the engine says it can start one more rollout now, `sampler.kv_room()`
+    > 0 (vLLM: nothing waits and its KV cache has free blocks; samplers/hf.py: a free slot), one claim per ask, so
+    the engine has seen the last one before the next; a rank with nothing unfinished always has room. An engine
+    that cannot say (no `kv_room`, or None) falls back to `count_rule`."""
+    count = count_rule(sampler, capacity)
+
+    def room(running: int, taken: int) -> bool:
+        free = getattr(sampler, "kv_room", lambda: None)()
+        if free is None:
+            return count(running, taken)
+        return taken == 0 and (running == 0 or free > 0)
+    return room
+
+
+CLAIM_RULES = {"free_kv": free_kv_rule, "count": count_rule}
 
 
 def rollout_seed(seed: int, step: int, slot: int, turn: int) -> int:
@@ -98,17 +128,19 @@ SCHEDULES = {"balanced": ("store", True), "static": ("static", False)}
 
 
 def step_claims(schedule: str, step: int, prompts: list[str], per_group: int, capacity: int, claim_size: int,
-                seed: int, peers) -> Claims:
+                seed: int, peers, rule: str = "count", sampler=None) -> Claims:
     """The claims of one step's rollouts (its B prompts x per_group, in step order) on this rank, for the config's
-    schedule; `claim_size` rollouts a claim under `balanced`. peers: accel.Peers, started on this step (its store,
-    the step's key under the launch's identity, the heartbeat)."""
+    schedule; `claim_size` rollouts a claim under `balanced`, while the config's claim rule (`CLAIM_RULES`) finds
+    room on `sampler` (capacity: rollout_batch_size). peers: accel.Peers, started on this step (its store, the
+    step's key under the launch's identity, the heartbeat)."""
     rank, world, n = peers.rank, peers.world, len(prompts) * per_group
     if SCHEDULES[schedule][0] == "static":
         take = static_claims(n, per_group, rank, world)
     elif world == 1:  # one engine: it takes the whole step at once, as the static schedule does
         take = store_claims(torch.distributed.HashStore(), "claims", n, claim_size, math.inf)
     else:
-        take = store_claims(peers.store, peers.key("claims"), n, claim_size, capacity)
+        take = store_claims(peers.store, peers.key("claims"), n, claim_size, capacity,
+                            CLAIM_RULES[rule](sampler, capacity))
     return Claims(take, prompts, per_group, step, seed, peers.beat)
 
 

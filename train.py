@@ -66,7 +66,7 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     indices = prompt_indices(step, B, len(run.problems), cfg.seed)
     run.peers.start(step)
     claims = step_claims(cfg.schedule, step, [run.problems[i]["problem"] for i in indices], K,
-                         cfg.rollout_batch_size, cfg.claim_size, cfg.seed, run.peers)
+                         cfg.rollout_batch_size, cfg.claim_size, cfg.seed, run.peers, cfg.claim_rule, run.sampler)
     trajs = rollout([], run.sampler, run.tool, run.tokenizer, run.fmt, max_response_tokens=cfg.max_response_tokens,
                     max_turns=cfg.max_turns, temperature=cfg.temperature, top_p=cfg.top_p,
                     sync_turns=cfg.sync_turns, progress=acc.is_local_main_process, more=claims, seeds=claims.seed)

@@ -126,6 +126,10 @@ class Engine:
         self.prompts.append(prompt)
         self.waiting.extend(int(x) for x in lengths)
 
+    def free(self) -> float:
+        """KV tokens a claim rule sees as free: the cache less what the running sequences will eventually need."""
+        return self.capacity - self.reserved
+
     def admit(self) -> None:
         """Start waiting sequences, in order, while the head's eventual need fits."""
         new = []
@@ -158,9 +162,71 @@ class Engine:
         return True
 
 
+class VllmEngine(Engine):
+    """An engine that admits as vLLM's v1 scheduler does: by the cache in use now, not by eventual lengths. A waiting
+    sequence starts (first come, first served) while its prompt and what it has generated fit in the free cache; each
+    decode step every running sequence needs one more token's room, and when the cache runs out the newest running
+    sequence is preempted (vLLM's FCFS policy): its keys and values dropped, it goes back to the head of the queue
+    with what it has generated, and is recomputed when readmitted, costing `b` x its generated tokens of prefill
+    (the prompt's prefill stays free, as everywhere in this model)."""
+
+    def __init__(self, capacity: float, max_seqs: int, prompt_tokens: int):
+        super().__init__(capacity, max_seqs, prompt_tokens)
+        self.waiting: deque[tuple[int, int]] = deque()  # (response length, tokens generated before a preemption)
+        self.preemptions = 0
+        self.recompute = 0  # generated tokens read again after preemptions
+
+    def take(self, prompt: int, lengths) -> None:
+        self.prompts.append(prompt)
+        self.waiting.extend((int(x), 0) for x in lengths)
+
+    def free(self) -> float:
+        return self.capacity - self.kv  # what vLLM's KV cache manager reports: free blocks now
+
+    def admit(self) -> None:
+        new = []
+        while (self.waiting and len(self.length) + len(new) < self.max_seqs
+               and self.kv + self.prompt_tokens + self.waiting[0][1] <= self.capacity):
+            n, done = self.waiting.popleft()
+            new.append((n, n - done))
+            self.kv += self.prompt_tokens + done
+            self.recompute += done
+        if new:
+            self.length = np.concatenate([self.length, [n for n, _ in new]])
+            self.remaining = np.concatenate([self.remaining, [r for _, r in new]])
+
+    def advance(self, cost: DecodeCost) -> bool:
+        """Decode up to the next finish or the step where the cache runs out; then preempt the newest sequences
+        until every running one has room for its next token. False when nothing runs."""
+        while len(self.remaining) and self.kv + len(self.remaining) > self.capacity:
+            n, done = int(self.length[-1]), int(self.length[-1] - self.remaining[-1])
+            self.kv -= self.prompt_tokens + done
+            self.waiting.appendleft((n, done))
+            self.length, self.remaining = self.length[:-1], self.remaining[:-1]
+            self.preemptions += 1
+        n = len(self.remaining)
+        if n == 0:
+            return False
+        k = int(min(self.remaining.min(), (self.capacity - self.kv) // n))
+        redo = self.recompute * cost.b  # the preempted sequences' recompute, charged when they run again
+        self.recompute = 0
+        dt = cost.steps(k, n, self.kv) + redo
+        self.time += dt
+        self.busy += dt
+        self.remaining -= k
+        self.kv += n * k
+        done = self.remaining == 0
+        self.kv -= int(done.sum()) * self.prompt_tokens + int(self.length[done].sum())
+        self.length, self.remaining = self.length[~done], self.remaining[~done]
+        return True
+
+
+ADMISSIONS = {"ideal": Engine, "vllm": VllmEngine}  # --admission: how an engine starts waiting sequences
+
+
 def simulate(lengths: np.ndarray, ranks: int, capacity: float, cost: DecodeCost, policy: str = "dynamic",
              prompt_tokens: int = 0, max_seqs: int = memory_plan.VLLM_MAX_SEQS, min_free: float | None = None,
-             max_unfinished: int | None = None, per_prompt: int = 1) -> dict:
+             max_unfinished: int | None = None, per_prompt: int = 1, admission: str = "ideal") -> dict:
     """One step's rollouts of `lengths` (claims, rollouts per claim) on `ranks` engines of `capacity` KV tokens;
     `per_prompt` consecutive claims are one prompt's rollouts.
 
@@ -175,7 +241,7 @@ def simulate(lengths: np.ndarray, ranks: int, capacity: float, cost: DecodeCost,
     if (lengths + prompt_tokens).max() > capacity:
         raise ValueError(f"a rollout of {int(lengths.max()) + prompt_tokens} tokens does not fit a KV cache of "
                          f"{capacity:,.0f} tokens")
-    engines = [Engine(capacity, max_seqs, prompt_tokens) for _ in range(ranks)]
+    engines = [ADMISSIONS[admission](capacity, max_seqs, prompt_tokens) for _ in range(ranks)]
     if policy == "static":
         if n_prompts % ranks:
             raise ValueError(f"{n_prompts} prompts do not divide over {ranks} ranks")
@@ -192,7 +258,7 @@ def simulate(lengths: np.ndarray, ranks: int, capacity: float, cost: DecodeCost,
     def wants(e: Engine) -> bool:
         if max_unfinished is not None:
             return claimed < n_prompts and len(e.waiting) + len(e.length) < max_unfinished
-        return claimed < n_prompts and not e.waiting and e.capacity - e.reserved >= min_free
+        return claimed < n_prompts and not e.waiting and e.free() >= min_free
 
     heap = [(0.0, r, r) for r in range(ranks)]  # (time, order, rank): ties go round the ranks in turn
     order = ranks
@@ -214,11 +280,12 @@ def simulate(lengths: np.ndarray, ranks: int, capacity: float, cost: DecodeCost,
     step = float(finish.max())
     return {"finish": finish, "busy": busy, "prompts": [e.prompts for e in engines], "time": step,
             "prefills": sum(len(set(e.prompts)) for e in engines),
+            "preemptions": sum(getattr(e, "preemptions", 0) for e in engines),
             "idle": float(np.mean((step - busy) / step)) if step > 0 else 0.0}
 
 
 def ideal(lengths: np.ndarray, ranks: int, capacity: float, cost: DecodeCost, prompt_tokens: int = 0,
-          max_seqs: int = memory_plan.VLLM_MAX_SEQS) -> dict:
+          max_seqs: int = memory_plan.VLLM_MAX_SEQS, admission: str = "ideal") -> dict:
     """The work perfectly divisible: each engine decodes 1/ranks of all tokens at the steady state of a full cache
     (as many sequences as the reservations allow: a sequence of length L holds prompt + L tokens for L steps, so
     capacity x sum L / sum L (prompt + L) run on average; at most max_seqs and the sequences per engine), each step
@@ -227,8 +294,11 @@ def ideal(lengths: np.ndarray, ranks: int, capacity: float, cost: DecodeCost, pr
     of the queue waits for room), so the simulated policies stay above it. Same keys as `simulate` (no `prompts`)."""
     n_len = lengths.ravel().astype(float)
     p = prompt_tokens
-    n = min(capacity * n_len.sum() / (n_len * (p + n_len)).sum(), max_seqs, n_len.size / ranks)
     per_sequence_kv = (n_len * (p + (n_len - 1) / 2)).sum() / n_len.sum()
+    # admission "vllm": the cache full of what the sequences hold now (a sequence of length L holds p + L / 2 tokens
+    # on average over its L steps), not of their reservations
+    held = per_sequence_kv if admission == "vllm" else (n_len * (p + n_len)).sum() / n_len.sum()
+    n = min(capacity / held, max_seqs, n_len.size / ranks)
     fluid = n_len.sum() / ranks / n * (cost.a + cost.b * n + cost.c * n * per_sequence_kv)
     step = max(fluid, cost.steps(int(n_len.max()), 1, p))
     busy = np.full(ranks, fluid)
@@ -250,32 +320,45 @@ def engine_plan(config_path: str) -> tuple[memory_plan.Shape, float, dict]:
     engine = memory_plan.vllm_engine(shape, fraction=cfg.vllm_gpu_memory_utilization, gpu_gb=cfg.gpu_memory_gb,
                                      tp=cfg.vllm_tensor_parallel_size, eager=cfg.vllm_enforce_eager)
     sizes = {"prompts": cfg.prompts_per_step, "rollouts": cfg.rollouts_per_prompt,
-             "budget": cfg.max_response_tokens, "slots": cfg.rollout_batch_size, "claim": cfg.claim_size}
+             "budget": cfg.max_response_tokens, "slots": cfg.rollout_batch_size, "claim": cfg.claim_size,
+             "rule": cfg.claim_rule}
     return shape, engine["kv_cache_tokens"], sizes
 
 
+def claim_kw(rule: str, slots: int, prompt_tokens: int) -> dict:
+    """simulate's keywords for a claim rule (schedule.CLAIM_RULES): count (max_unfinished) or free_kv (nothing
+    waiting and a free token of cache; under the ideal admission, free means unreserved)."""
+    return {"max_unfinished": slots} if rule == "count" else {"min_free": 1}
+
+
 def sweep(args, prompts: int, rollouts: int, budget: int, kv_tokens: float, cost: DecodeCost, slots: int,
-          claim: int) -> None:
-    """One line per seed: the balanced rule's step and idle, whole-prompt claims', and ideal's; then the worst gap."""
-    kw = dict(prompt_tokens=args.prompt_tokens, max_seqs=args.max_seqs, max_unfinished=slots)
-    print(f"{args.ranks} ranks, {prompts} prompts x {rollouts} rollouts, budget {budget:,}, claim limit {slots} "
-          f"unfinished rollouts per rank (simulated, config {args.config})")
-    print(f"{'seed':>4}{f'claims of {claim}: step s':>24}{'idle':>7}{'whole prompts: step s':>24}{'idle':>7}"
-          f"{'ideal s':>9}{'whole / claims':>16}")
-    gaps, ratios = [], []
+          claim: int, rule: str) -> None:
+    """Per seed: the config's claim rule and the count rule under both admissions, against the fluid bound; then the
+    config's rule's worst step / fluid bound under the vLLM-like admission."""
+    print(f"{args.ranks} ranks, {prompts} prompts x {rollouts} rollouts, budget {budget:,}, config {args.config}: "
+          f"claim_rule {rule}, claims of {claim} (simulated; count: < {slots} unfinished rollouts per rank)")
+    print(f"{'seed':>4}  {'claim rule':<26}{'admission':<11}{'step s':>9}{'step / fluid bound':>20}{'idle':>8}"
+          f"{'preempted':>11}")
+    cases = [(rule, claim, "vllm"), (rule, claim, "ideal")]
+    cases += [("count", c, adm) for c in (claim, 2) for adm in ("vllm", "ideal") if ("count", c, adm) not in cases]
+    worst, gaps = [], []
     for seed in range(args.seeds):
         lengths = sample_lengths(np.random.default_rng(seed), prompts, rollouts, budget, args.median_tokens,
                                  args.prompt_sigma, args.rollout_sigma)
-        part = simulate(lengths.reshape(-1, claim), args.ranks, kv_tokens, cost, "dynamic",
-                        per_prompt=rollouts // claim, **kw)
-        whole = simulate(lengths, args.ranks, kv_tokens, cost, "dynamic", **kw)
         best = ideal(lengths, args.ranks, kv_tokens, cost, args.prompt_tokens, args.max_seqs)
-        gaps.append((part["idle"] - best["idle"]) * 100)
-        ratios.append(whole["time"] / part["time"])
-        print(f"{seed:>4}{part['time']:>24.1f}{part['idle']:>7.1%}{whole['time']:>24.1f}{whole['idle']:>7.1%}"
-              f"{best['time']:>9.1f}{ratios[-1]:>15.2f}x")
-    print(f"claims of {claim} idle at most {max(gaps):.1f} points more than ideal over seeds 0-{args.seeds - 1} (the "
-          f"aim: within 5); whole-prompt claims take {min(ratios):.2f}-{max(ratios):.2f}x their step time.")
+        for i, (r, c, adm) in enumerate(cases):
+            got = simulate(lengths.reshape(-1, c), args.ranks, kv_tokens, cost, "dynamic", args.prompt_tokens,
+                           args.max_seqs, per_prompt=rollouts // c, admission=adm,
+                           **claim_kw(r, slots, args.prompt_tokens))
+            name = f"{r} ({slots})" if r == "count" else r
+            print(f"{seed:>4}  {f'{name}, claims of {c}':<26}{adm:<11}{got['time']:>9.1f}"
+                  f"{got['time'] / best['time']:>19.2f}x{got['idle']:>8.1%}{got['preemptions']:>11,}")
+            if i == 0:
+                worst.append(got["time"] / best["time"])
+                gaps.append((got["idle"] - best["idle"]) * 100)
+        print(f"{seed:>4}  {'fluid bound':<26}{'':<11}{best['time']:>9.1f}{1:>19.2f}x{best['idle']:>8.1%}")
+    print(f"claim_rule {rule}: idle at most {max(gaps):.1f} points above the fluid bound's (vllm admission)")
+    print(f"step / fluid bound at most {max(worst):.2f}x over seeds 0-{args.seeds - 1} (vllm admission)")
 
 
 def main(argv=None) -> None:
@@ -298,6 +381,7 @@ def main(argv=None) -> None:
                     "the config's rollout_batch_size)")
     ap.add_argument("--claim", type=int, help="rollouts one claim takes in the balanced row (default: the config's "
                     "claim_size)")
+    ap.add_argument("--rule", choices=["free_kv", "count"], help="the claim rule (default: the config's claim_rule)")
     ap.add_argument("--seeds", type=int, help="instead of one step's table: seeds 0..N-1, one line each (balanced "
                     "against whole-prompt claims and ideal)")
     ap.add_argument("--bandwidth-tbs", type=float, default=H200_BANDWIDTH / 1e12)
@@ -312,7 +396,7 @@ def main(argv=None) -> None:
     cost = decode_cost(shape, args.bandwidth_tbs * 1e12, args.tflops * 1e12)
     if args.seeds:
         return sweep(args, prompts, rollouts, budget, kv_tokens, cost, args.slots or sizes["slots"],
-                     args.claim or sizes["claim"])
+                     args.claim or sizes["claim"], args.rule or sizes["rule"])
     rng = np.random.default_rng(args.seed)
     if args.trajectories:
         lengths = lengths_from_trajectories(args.trajectories, rng, prompts, rollouts, budget)

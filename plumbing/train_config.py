@@ -14,7 +14,7 @@ from plumbing.config import check_ranges
 from plumbing.lora import DEFAULT_TARGETS
 from plumbing.update_plan import layout_for
 from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of, encode
-from schedule import SCHEDULES
+from schedule import CLAIM_RULES, SCHEDULES
 from tools.memory_plan import engine_lines, memory_lines
 
 USAGE = """One RL stage with GRPO-RoC.
@@ -79,6 +79,8 @@ class TrainConfig:
     schedule: str = "balanced"            # balanced (claim rollouts as engines free up, balance the update) | static
     claim_size: int = 1                   # rollouts one claim takes under balanced: 1 = the report's per-request
                                           # dispatch, rollouts_per_prompt = whole prompts (bench/rollout_schedule.py)
+    claim_rule: str = "count"             # when a rank claims under balanced: free_kv (its engine has room for one
+                                          # more, report §3.2) | count (< rollout_batch_size unfinished); schedule.py
     sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
     vllm_gpu_memory_utilization: float = 0.5  # vLLM's share of the reported GPU memory (tools/memory_plan.py)
     vllm_tensor_parallel_size: int = 1    # only 1: one single-device engine per rank
@@ -181,8 +183,9 @@ def plan_lines(cfg: TrainConfig, world: int) -> list[str]:
     lines = [
         f"world size             {world}",
         f"prompts per step       {cfg.prompts_per_step} (B) = {per_rank} per rank" + (
-            f" on average (claimed {cfg.claim_size} rollout(s) at a time as engines free up, < "
-            f"{cfg.rollout_batch_size} rollouts unfinished per rank)"
+            f" on average (claimed {cfg.claim_size} rollout(s) at a time as engines free up, "
+            + ("while the engine has room for one more)" if cfg.claim_rule == "free_kv" else
+               f"< {cfg.rollout_batch_size} rollouts unfinished per rank)")
             if cfg.schedule == "balanced" and world > 1 else ""),
         f"rollouts per step      {cfg.prompts_per_step * cfg.rollouts_per_prompt} (2G = {cfg.rollouts_per_prompt}"
         f" per prompt), {per_rank * cfg.rollouts_per_prompt} per rank",
@@ -265,6 +268,8 @@ def validate(cfg: TrainConfig, world: int) -> None:
         problems.append(f"loss_agg must be one of {sorted(LOSSES)}, got {cfg.loss_agg!r}")
     if cfg.mismatch_correction not in CORRECTIONS:
         problems.append(f"mismatch_correction must be one of {list(CORRECTIONS)}, got {cfg.mismatch_correction!r}")
+    if cfg.claim_rule not in CLAIM_RULES:
+        problems.append(f"claim_rule must be one of {list(CLAIM_RULES)}, got {cfg.claim_rule!r}")
     if cfg.schedule not in SCHEDULES:
         problems.append(f"schedule must be one of {list(SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.sampler not in ("hf", "vllm"):

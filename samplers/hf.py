@@ -228,6 +228,11 @@ class HFSampler:
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0):
         return generate_all(self, prompts, max_new_tokens, temperature, top_p)
 
+    def kv_room(self) -> int:
+        """Requests this sampler can start now: its free slots (rows of the KV buffers) less the queued requests
+        (schedule.free_kv_rule)."""
+        return max(0, self.batch_size - len(self.live) - len(self.queue))
+
     def step(self) -> list[tuple[object, Completion]]:
         # Eval mode while requests run, the training flag back once none is left: `train()` and `eval()` walk every
         # module (about 2 ms for the tiny model, a fifth of a decode step), too much to pay twice per token.

@@ -5,6 +5,7 @@ The rollout (`rollout.py`, report §2) only needs token ids in and token ids out
     sampler.add(key, prompt_ids, max_new_tokens, temperature, top_p)   queue a request
     sampler.step() -> [(key, Completion), ...]                         advance; the requests that finished
     sampler.has_work() -> bool                                          anything queued or running
+    sampler.kv_room() -> int | None                                     optional: room to start more now
     sampler.generate(prompts, max_new_tokens, temperature, top_p)      all at once (eval, tests) -> [Completion]
     sampler.update_weights(model)                                       load the trainer's new policy
     sampler.score(token_ids) -> [float]                                 log-probs of a fixed sequence (hand-off check)
@@ -37,7 +38,9 @@ Three implementations, in samplers/:
 `TurnSampler` gives `add`/`step` to anything that has only `generate` (each step generates everything queued).
 
 Across ranks, schedule.py hands each engine a few of the step's rollouts at a time as it frees up (the report's
-scheduler, §3.2); the engine packs its own KV cache.
+scheduler, §3.2); the engine packs its own KV cache. Under `claim_rule: free_kv` a rank claims while its engine's
+`kv_room()` is above 0 (vLLM: free KV-cache tokens, 0 while a request waits; HFSampler: free slots); a sampler
+without it, or returning None, is claimed for by the count of unfinished rollouts.
 """
 from dataclasses import dataclass
 from typing import Protocol
@@ -65,6 +68,8 @@ class Sampler(Protocol):
     def step(self) -> list[tuple[object, Completion]]: ...  # advance; the requests that finished, with their keys
 
     def has_work(self) -> bool: ...  # requests queued or running
+
+    def kv_room(self) -> int | None: ...  # optional: > 0 while it can start one more request now; None: cannot say
 
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float = 1.0,
                  top_p: float = 1.0) -> list[Completion]: ...  # add all, step until done (`generate_all`)

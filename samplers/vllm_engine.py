@@ -153,6 +153,21 @@ class VLLMSampler:
     def has_work(self) -> bool:
         return bool(self.keys)
 
+    def kv_room(self) -> int | None:
+        """Free KV-cache tokens now (schedule.free_kv_rule): the scheduler's free blocks x block size, 0 while a
+        request waits (queued, or preempted for room) or the engine runs its `max_num_seqs`; free blocks include
+        cached prefixes nobody uses, which vLLM evicts for new ones. vLLM 0.32-0.33's in-process engine core
+        (`LLMEngine.engine_core.engine_core.scheduler`); None where it is not there (an engine in another
+        process, a fake)."""
+        try:
+            scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+            running, waiting = scheduler.get_request_counts()
+            free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+            limit, block = scheduler.max_num_running_reqs, scheduler.block_size
+        except AttributeError:
+            return None
+        return 0 if waiting or running >= limit else free * block
+
     def _params(self, max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind

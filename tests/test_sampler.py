@@ -662,3 +662,22 @@ def test_a_seeded_request_draws_the_same_tokens_whoever_shares_its_steps(tiny):
     assert len(alone) >= 3
     assert draw(5, others) == alone and draw(5, others[:2]) == alone
     assert any(draw(seed, others) != alone for seed in (6, 7, 8))
+
+
+def test_free_kv_room_of_the_hf_sampler_is_its_free_slots_less_the_queue(tiny):
+    """schedule.free_kv_rule asks kv_room(): slots free now, less what is queued; 0 when every slot is taken."""
+    _, tok, model = tiny
+    sampler = HFSampler(model, tok, batch_size=3, stop_ids=[])
+    assert sampler.kv_room() == 3
+    prompts = prompts_of(tok, ["a", "b", "c", "d"])
+    for i, p in enumerate(prompts[:2]):
+        sampler.add(i, p, 5)
+    assert sampler.kv_room() == 1  # two queued
+    sampler.step()
+    assert len(sampler.live) == 2 and sampler.kv_room() == 1
+    sampler.add(2, prompts[2], 5)
+    sampler.add(3, prompts[3], 5)
+    assert sampler.kv_room() == 0  # full: the fourth waits
+    while sampler.has_work():
+        sampler.step()
+    assert sampler.kv_room() == 3

@@ -235,3 +235,60 @@ def test_one_process_claims_the_whole_step_at_once_under_either_schedule():
     for schedule, claim_size in (("balanced", 1), ("balanced", 2), ("static", 1)):
         claims = step_claims(schedule, 0, prompts, 2, 1, claim_size, 0, one)  # a capacity of 1 binds only across ranks
         assert claims(0) == ["a", "a", "b", "b", "c", "c"] and claims(0) == [] and claims.slots == [0, 1, 2, 3, 4, 5]
+
+
+class RoomyEngine:
+    """A sampler that reports kv_room(): the engine's free room, set by the test."""
+    def __init__(self, free):
+        self.free = free
+
+    def kv_room(self):
+        return self.free
+
+
+def test_free_kv_rule_claims_while_the_engine_has_room_and_stops_when_it_is_full():
+    from schedule import count_rule, free_kv_rule
+    engine = RoomyEngine(free=4096)
+    claim = store_claims(torch.distributed.HashStore(), "k", 6, 2, capacity=1, room=free_kv_rule(engine, 1))
+    assert claim(5) == [0, 1]  # one claim per ask: the engine sees it before the next (the count of 1 is ignored)
+    assert claim(7) == [2, 3]
+    engine.free = 0  # full: nothing, however few rollouts run ...
+    assert claim(3) == [] and claim(1) == []
+    assert claim(0) == [4, 5]  # ... unless none does: a rank with nothing unfinished always claims
+    assert claim(0) == []
+    # an engine that cannot say (None, or no kv_room) falls back to the count rule
+    engine.free = None
+    fallback = store_claims(torch.distributed.HashStore(), "k", 6, 1, 2, room=free_kv_rule(engine, 2))
+    assert fallback(0) == [0, 1] and fallback(2) == []
+    counted = store_claims(torch.distributed.HashStore(), "k", 6, 1, 2, room=count_rule(object(), 2))
+    assert counted(0) == [0, 1] and counted(1) == [2]
+
+
+def test_free_kv_claims_in_a_rollout_follow_the_engine_and_give_the_same_trajectories():
+    """rollout() on an engine that holds 2 requests: under free_kv it claims while the engine has room, whichever
+    rollouts are in their tool calls; the trajectories are those of the count rule (seeded per turn)."""
+    from schedule import Claims, free_kv_rule
+
+    class SmallEngine(ScriptedSampler):
+        def kv_room(self):
+            return max(0, 2 - len(self._pending()))
+
+    scripts = {f"problem {i}": [ANSWER_TURN] for i in range(6)}
+    out = {}
+    for rule in ("free_kv", "count"):
+        engine = SmallEngine(scripts)
+        room = free_kv_rule(engine, 1) if rule == "free_kv" else None
+        claims = Claims(store_claims(torch.distributed.HashStore(), "k", 6, 1, 1, room),
+                        [f"problem {i}" for i in range(6)], 1, step=0, seed=0)
+        seen = []
+
+        def more(running, claims=claims, engine=engine, seen=seen):
+            got = claims(running)
+            seen.append((len(engine._pending()), len(got)))
+            return got
+        out[rule] = rollout([], engine, FakeTool(), TOK, FMT, 2000, 5, more=more, seeds=claims.seed)
+        if rule == "free_kv":  # claims while fewer than 2 requests are queued, none once 2 are
+            assert all(got == 0 for queued, got in seen if queued >= 2)
+            assert (0, 1) in seen and (1, 1) in seen
+    assert [t.problem for t in out["free_kv"]] == [f"problem {i}" for i in range(6)]
+    assert [t.response_ids for t in out["free_kv"]] == [t.response_ids for t in out["count"]]

@@ -317,3 +317,15 @@ def test_hsdp_all_reduces_across_replicas_once_per_optimizer_step(data):
         assert groups > 0  # the replicas' all-reduce is in play
         assert all(m == [0] * (len(m) - 1) + [groups] for m in minibatches), minibatches
     assert_same_run(reference, out, 4)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_free_kv_claims_on_several_processes_give_the_count_rule_run_on_one(data, one, world):
+    """claim_rule=free_kv (a rank claims while its hf sampler reports a free slot; 3 slots, so it fills and stops):
+    the rollouts, kept rollouts, counts and losses of the count rule's run on one process, and every rank claimed."""
+    out = data / f"free_kv{world}"
+    train("ddp", world, stage_args(data, out, data / "base", 3, ["claim_rule=free_kv", "rollout_batch_size=3"]))
+    assert_same_run(one / "stage1", out, world)
+    claimed = [sum(len(json.loads(line)["problems"]) for line in (out / f"rollouts{r}.jsonl").read_text().splitlines())
+               for r in range(world)]
+    assert min(claimed) > 0, claimed
