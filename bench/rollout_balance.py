@@ -77,19 +77,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# printed name -> (schedule, claim_size; None: a whole prompt's rollouts)
-SETTINGS = {"static": ("static", None), "prompts": ("balanced", None), "pairs": ("balanced", 2),
-            "rollouts": ("balanced", 1)}
+# printed name -> (schedule, claim_size; None: a whole prompt's rollouts, claim_rule)
+SETTINGS = {"static": ("static", None, "count"), "prompts": ("balanced", None, "count"),
+            "pairs": ("balanced", 2, "count"), "rollouts": ("balanced", 1, "count")}
+# --rules: the two claim rules side by side, single rollouts a claim (schedule.CLAIM_RULES)
+RULES = {"count": ("balanced", 1, "count"), "free_kv": ("balanced", 1, "free_kv")}
 
 
 def run(root: Path, world: int, name: str, args) -> dict:
-    schedule, claim_size = SETTINGS[name]
+    schedule, claim_size, rule = {**SETTINGS, **RULES}[name]
     claim_size = claim_size or args.rollouts
     out = root / f"{name}{world}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
            str(free_port()), str(Path(__file__).resolve()), "--worker", "--long", str(args.long), "--short",
            str(args.short), "--", "configs/tiny/stage1.yaml", f"model_path={root / 'base'}",
-           f"data=[{root / 'train.jsonl'}]", f"out_dir={out}", f"schedule={schedule}", f"claim_size={claim_size}", f"steps={args.steps}",
+           f"data=[{root / 'train.jsonl'}]", f"out_dir={out}", f"schedule={schedule}", f"claim_size={claim_size}", f"claim_rule={rule}",
+           f"steps={args.steps}",
            f"prompts_per_step={args.prompts}", f"rollouts_per_prompt={args.rollouts}", f"group_size={args.rollouts // 2}",
            f"rollout_batch_size={args.slots}",
            f"max_response_tokens={args.long}", "max_turns=1", "eval_data=null",
@@ -111,6 +114,8 @@ def main(argv=None) -> None:
     p.add_argument("--short", type=int, default=24, help="tokens every rollout of a short prompt decodes")
     p.add_argument("--slots", type=int, default=4, help="rollout_batch_size: rollouts a rank runs at once")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 3])
+    p.add_argument("--rules", action="store_true", help="the claim rules instead: count (< --slots unfinished) "
+                   "against free_kv (the engine has a free slot), single-rollout claims")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
     if args.worker:
@@ -125,6 +130,8 @@ def main(argv=None) -> None:
               f"({args.short}), {args.slots} rollouts at a time per rank, {args.steps - 1} steps counted")
         print("claims: static = fixed shares; prompts = balanced, whole prompts; pairs = balanced, 2 rollouts; "
               "rollouts = balanced, single rollouts")
+        if args.rules:
+            return compare_rules(root, args)
         print(f"{'processes':>9} {'claims':>9} " + " ".join(f"{name:>12}" for name, _ in COLUMNS))
         for world in args.worlds:
             results = {name: run(root, world, name, args) for name in SETTINGS}
@@ -137,6 +144,20 @@ def main(argv=None) -> None:
                   f"time); rollout wait {wait['rollouts'] / max(wait['static'], 1e-9):.2f} of static's, "
                   f"{wait['rollouts'] / max(wait['prompts'], 1e-9):.2f} of whole prompts'; pairs "
                   f"{wait['pairs'] / max(wait['static'], 1e-9):.2f} and {wait['pairs'] / max(wait['prompts'], 1e-9):.2f}")
+
+
+def compare_rules(root: Path, args) -> None:
+    """The count rule against free_kv on the same steps: the rollout phase's seconds (the slowest rank's) and the
+    share of it the ranks spent idle waiting for the slowest."""
+    print(f"{'processes':>9} {'claim rule':>10} {'rollout s':>10} {'rank idle':>10} {'step s':>8}")
+    for world in args.worlds:
+        results = {name: run(root, world, name, args) for name in RULES}
+        for name, r in results.items():
+            print(f"{world:>9} {name:>10} {r['perf/rollout_max_s']:>10.2f} {r['perf/rollout_wait_frac']:>10.1%} "
+                  f"{r['perf/step_s']:>8.2f}")
+        c, f = results["count"], results["free_kv"]
+        print(f"{world:>9} {'ratio':>10} {c['perf/rollout_max_s'] / f['perf/rollout_max_s']:>9.2f}x  (count / free_kv "
+              f"rollout seconds)")
 
 
 if __name__ == "__main__":

@@ -412,16 +412,18 @@ def main(argv=None) -> None:
     if rollouts % claim:
         raise SystemExit(f"--claim {claim} does not divide the {rollouts} rollouts of a prompt")
 
-    def balanced(size):
-        return simulate(lengths.reshape(-1, size), args.ranks, kv_tokens, cost, "dynamic", max_unfinished=slots,
-                        per_prompt=rollouts // size, **kw)
-    rows = [("static (schedule=static)", simulate(lengths, args.ranks, kv_tokens, cost, "static", **kw)),
-            (f"balanced (schedule.py, {slots}), claims of {claim}", balanced(claim)),
-            ("ideal (fluid bound)", ideal(lengths, args.ranks, kv_tokens, cost, **kw)),
-            ("ref: balanced, whole prompts", balanced(rollouts)),
-            ("ref: by free KV, whole prompts", simulate(lengths, args.ranks, kv_tokens, cost, "dynamic", **kw)),
-            ("ref: by free KV, single rollouts", simulate(lengths.reshape(-1, 1), args.ranks, kv_tokens, cost,
-                                                          "dynamic", per_prompt=rollouts, **kw))]
+    rule = args.rule or sizes["rule"]
+
+    def claimed(size, by, admission):
+        return simulate(lengths.reshape(-1, size), args.ranks, kv_tokens, cost, "dynamic", per_prompt=rollouts // size,
+                        admission=admission, **claim_kw(by, slots, args.prompt_tokens), **kw)
+    ours = [(f"{by} ({slots}), claims of {claim}" if by == "count" else f"{by}, claims of {claim}", adm,
+             claimed(claim, by, adm)) for by in dict.fromkeys([rule, "count", "free_kv"]) for adm in ADMISSIONS]
+    rows = [("static (schedule=static)", "ideal", simulate(lengths, args.ranks, kv_tokens, cost, "static", **kw)),
+            *sorted(ours, key=lambda row: row[1] != "vllm"),
+            ("fluid bound", "", ideal(lengths, args.ranks, kv_tokens, cost, **kw)),
+            ("ref: count, whole prompts", "ideal", claimed(rollouts, "count", "ideal")),
+            ("ref: free_kv, whole prompts", "ideal", claimed(rollouts, "free_kv", "ideal"))]
     t2 = time.perf_counter()
 
     per_prompt = lengths.mean(axis=1)
@@ -433,37 +435,31 @@ def main(argv=None) -> None:
           f"{(lengths >= budget).mean():.1%} truncated at the budget; prompt means from {per_prompt.min():,.0f} "
           f"to {per_prompt.max():,.0f}; {lengths.sum() / 1e6:.1f}M tokens in all")
     print(f"  engine     KV cache {kv_tokens:,.0f} tokens (memory_plan.vllm_engine for the config), prompt "
-          f"{args.prompt_tokens} tokens per sequence, at most {args.max_seqs} sequences; a sequence admitted only "
-          f"when its eventual prompt + response fits (no preemption)")
+          f"{args.prompt_tokens} tokens per sequence, at most {args.max_seqs} sequences. Admission ideal: a sequence "
+          f"starts when its eventual prompt + response fits beside the others' (no preemption); vllm: when its "
+          f"prompt + what it generated fits now, the newest preempted and recomputed when the cache runs out")
     print(f"  decode     step = {cost.a * 1e3:.2f} ms + {cost.b * 1e6:.1f} us x sequences + {cost.c * 1e9:.1f} ns x "
           f"cached tokens: {shape.params / 1e9:.1f}B params, bf16 weights and {shape.kv_bytes_per_token:,} B/token "
           f"KV read at {args.bandwidth_tbs} TB/s, 2 FLOPs/param at {args.tflops:g} TFLOP/s; tool calls and prefill "
-          f"free")
-    print(f"  balanced   schedule.py's rule: a rank claims the next {claim} rollout(s) ((prompt, index) order) while "
-          f"fewer than {slots} of its rollouts are unfinished (rollout_batch_size)\n  by free KV a rank claims when "
-          "nothing it claimed waits and its free KV holds one more rollout of any length (the report's rule)")
+          f"free (a preempted sequence's recompute: {cost.b * 1e6:.1f} us per generated token)")
+    print(f"  claims     schedule.py's rules, the next {claim} rollout(s) ((prompt, index) order) a claim: count while "
+          f"fewer than {slots} of a rank's rollouts are unfinished (rollout_batch_size); free_kv while nothing it "
+          f"claimed waits and its engine has free KV (the report's rule); the config's: {rule}")
     print()
-    print(f"{'policy':<42}{'step s':>9}{'idle':>8}{'slowest s':>11}{'fastest s':>11}{'prefills':>10}")
-    for name, r in rows:
-        prefills = f"{r['prefills']:>10,}" if "prefills" in r else f"{'':>10}"
-        print(f"{name:<42}{r['time']:>9.1f}{r['idle']:>8.1%}{r['finish'].max():>11.1f}{r['finish'].min():>11.1f}"
-              + prefills)
-    extra = (rows[1][1]["prefills"] - prompts) * args.prompt_tokens
-    print(f"prefix sharing: the balanced row reads {rows[1][1]['prefills'] - prompts:,} prompts more than one engine "
-          f"per prompt would, {extra / 1e6:.2f}M prompt tokens prefilled beside {lengths.sum() / 1e6:.1f}M decoded "
+    print(f"{'policy':<34}{'admission':<11}{'step s':>8}{'step / fluid bound':>20}{'idle':>7}{'slowest s':>11}"
+          f"{'fastest s':>11}{'prefills':>10}{'preempted':>11}")
+    bound = rows[[name for name, _, _ in rows].index("fluid bound")][2]["time"]
+    for name, adm, r in rows:
+        tail = f"{r['prefills']:>10,}{r['preemptions']:>11,}" if "prefills" in r else ""
+        print(f"{name:<34}{adm:<11}{r['time']:>8.1f}{r['time'] / bound:>19.2f}x{r['idle']:>7.1%}"
+              f"{r['finish'].max():>11.1f}{r['finish'].min():>11.1f}" + tail)
+    mine = rows[1][2]
+    extra = (mine["prefills"] - prompts) * args.prompt_tokens
+    print(f"prefix sharing: the {rule} row reads {mine['prefills'] - prompts:,} prompts more than one engine per "
+          f"prompt would, {extra / 1e6:.2f}M prompt tokens prefilled beside {lengths.sum() / 1e6:.1f}M decoded "
           f"({extra / lengths.sum():.1%}; a prefill token costs a fraction of a decoded one)")
-    hardest = int(np.argmax(lengths.sum(axis=1)))
-    alone = simulate(lengths[hardest:hardest + 1], 1, kv_tokens, cost, "static", **kw)["time"]
-    need = int((lengths[hardest] + args.prompt_tokens).sum())
-    gap = (rows[1][1]["idle"] - rows[2][1]["idle"]) * 100
-    whole = rows[3][1]["time"]
-    why = (f": the tail is one prompt's group. The hardest prompt's {rollouts} rollouts need {need:,} KV tokens "
-           f"({need / kv_tokens:.1f} caches), so one engine decodes them in waves, {alone:.0f} s alone; a hard prompt "
-           f"claimed late runs on while the other engines have no prompts left")
-    print(f"step {rows[1][1]['time']:.1f} s against {whole:.1f} s with whole-prompt claims "
-          f"({whole / rows[1][1]['time']:.2f}x)")
-    print(f"balanced idles {gap:.1f} points more than ideal (the aim: within 5)"
-          + (why if gap > 5 and claim == rollouts else "") + ".")
+    print(f"claim_rule {rule} (vllm admission): step {mine['time'] / bound:.2f}x the fluid bound, idle "
+          f"{(mine['idle'] - rows[-3][2]['idle']) * 100:.1f} points above its")
     print(f"(lengths {t1 - t0:.1f} s with the config, simulation {t2 - t1:.1f} s)")
 
 

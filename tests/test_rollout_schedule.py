@@ -1,6 +1,7 @@
 """bench/rollout_schedule.py: the decode-cost arithmetic, the three policies on cases small enough to work out by
 hand, the claim rule's coverage on a realistic case, the length sources, and the printed plan."""
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -82,6 +83,33 @@ def test_dynamic_claims_every_prompt_once_and_static_is_rank_share():
     assert counted["busy"].sum() == pytest.approx(static["busy"].sum(), rel=0.05)
 
 
+def test_vllm_admission_by_hand_preempts_the_newest_and_recomputes_it():
+    # two rollouts of 6 tokens, no prompt, a cache of 10 tokens, one engine
+    lengths = np.array([[6], [6]])
+    ideal = rs.simulate(lengths, 1, 10, UNIT, "static")
+    assert ideal["time"] == 12 and ideal["preemptions"] == 0  # 6 + 6 > 10: one after the other
+    vllm = rs.simulate(lengths, 1, 10, UNIT, "static", admission="vllm")
+    # both start (empty now); after 5 steps the cache is full, the newest is preempted with 5 tokens done; the
+    # first ends at 6, the second is readmitted with its 5 tokens and ends at 7
+    assert vllm["time"] == 7 and vllm["preemptions"] == 1
+    cost = rs.DecodeCost(a=1.0, b=0.5, c=0.0)
+    # 5 steps of 2 (10 s), 1 step of 1 (1.5 s), the recompute of 5 tokens (2.5 s) and its last step (1.5 s)
+    assert rs.simulate(lengths, 1, 10, cost, "static", admission="vllm")["time"] == pytest.approx(15.5)
+
+
+def test_free_kv_claims_under_vllm_admission_fill_the_cache_the_count_rule_leaves_half_empty():
+    lengths = rs.sample_lengths(np.random.default_rng(0), 64, 32, 12288)
+    cost = rs.decode_cost(Shape.from_config(PUBLIC_CONFIGS["qwen3-14b"]))
+    runs = {rule: rs.simulate(lengths.reshape(-1, 1), 8, 251_679, cost, "dynamic", prompt_tokens=300, per_prompt=32,
+                              admission="vllm", **rs.claim_kw(rule, 24, 300)) for rule in ("free_kv", "count")}
+    bound = rs.ideal(lengths, 8, 251_679, cost, prompt_tokens=300)["time"]
+    assert sorted(p for ps in runs["free_kv"]["prompts"] for p in ps) == sorted(list(range(64)) * 32)
+    assert runs["free_kv"]["time"] < 1.1 * bound < 1.3 * bound < runs["count"]["time"]
+    assert runs["free_kv"]["preemptions"] > 0 == runs["count"]["preemptions"]
+    # the fluid bound under the cache's current use is lower still: vLLM's admission pays for it in preemptions
+    assert rs.ideal(lengths, 8, 251_679, cost, prompt_tokens=300, admission="vllm")["time"] < 0.9 * bound
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="does not fit"):
         rs.simulate(np.array([[40]]), 1, 30, UNIT)
@@ -114,13 +142,23 @@ def test_main_prints_the_plan_with_the_config_kv_cache(capsys):
     rs.main(["--ranks", "8", "--prompts", "64"])
     out = capsys.readouterr().out
     assert "KV cache 251,679 tokens" in out and "budget 12,288" in out and "32 rollouts" in out
-    for name in ("static (schedule=static)", "balanced (schedule.py, 24)", "ideal (fluid bound)",
-                 "ref: by free KV, whole prompts"):
-        assert name in out
+    assert "step / fluid bound" in out
+    rows = {tuple(line[:45].split()) for line in out.splitlines()}
+    for row in [("static", "(schedule=static)", "ideal"), ("free_kv,", "claims", "of", "1", "vllm"),
+                ("count", "(24),", "claims", "of", "1", "vllm"), ("free_kv,", "claims", "of", "1", "ideal"),
+                ("fluid", "bound"), ("ref:", "free_kv,", "whole", "prompts", "ideal")]:
+        assert row in rows, row
+
+
+def test_the_sweep_closes_with_the_config_rule_s_worst_step_over_the_bound(capsys):
+    rs.main(["--ranks", "8", "--prompts", "64", "--seeds", "2"])
+    out = capsys.readouterr().out
+    assert "claim_rule free_kv, claims of 1" in out and out.count("fluid bound") >= 2
+    assert re.search(r"step / fluid bound at most \d\.\d\dx over seeds 0-1 \(vllm admission\)\n$", out)
 
 
 def test_smaller_claims_are_a_what_if_row(capsys):
-    rs.main(["--ranks", "8", "--prompts", "64", "--claim", "4"])
-    assert "balanced (schedule.py, 24), claims of 4" in capsys.readouterr().out
+    rs.main(["--ranks", "8", "--prompts", "64", "--claim", "4", "--rule", "count"])
+    assert "count (24), claims of 4" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="does not divide"):
         rs.main(["--ranks", "8", "--prompts", "64", "--claim", "5"])

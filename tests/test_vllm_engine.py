@@ -164,6 +164,28 @@ def test_add_and_step_return_each_request_once_with_its_key(engine, tiny, monkey
     assert [str(k) for k, _ in finished][0] == "('b', 1)" and steps >= 12  # the shortest budget first
 
 
+def test_free_kv_room_is_the_engine_s_free_cache_and_claims_stop_while_a_request_waits(engine, tiny):
+    """kv_room(): vLLM's free KV-cache tokens while nothing waits; 0 from `add` until the engine's next step admits
+    the request. schedule.free_kv_rule claims on it: one claim, none while that one waits, the next after a step."""
+    import torch
+    from schedule import free_kv_rule, store_claims
+    assert not engine.has_work()
+    empty = engine.kv_room()
+    assert empty > 1000  # the 64 MB cache of a tiny model, every block free (cached prefixes count as free)
+    claim = store_claims(torch.distributed.HashStore(), "k", 3, 1, 1, free_kv_rule(engine, 1))
+    ps = prompts(tiny[1], 3)
+    got = claim(1)
+    assert got == [0]
+    engine.add("a", ps[0], 40, temperature=1.0)
+    assert engine.kv_room() == 0 and claim(1) == []  # it waits: the engine is full for a claim
+    engine.step()
+    assert 0 < engine.kv_room() < empty  # admitted: it holds blocks now
+    assert claim(1) == [1]
+    while engine.has_work():
+        engine.step()
+    assert engine.kv_room() == empty
+
+
 def test_a_seeded_request_draws_the_same_tokens_whoever_shares_its_steps(engine, tiny):
     """vLLM's per-request seed (what schedule.rollout_seed feeds): one prompt and seed, alone and beside other
     requests, give the same tokens; other seeds give others (at temperature 2: the fine-tuned model is too sure of
