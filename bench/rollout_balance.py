@@ -3,6 +3,7 @@ schedule=balanced claiming whole prompts (claim_size = rollouts per prompt), pai
 and single rollouts (claim_size 1), side by side in one run, on a step whose prompts are skewed (half of them long).
 
     .venv/bin/python bench/rollout_balance.py [--steps 6 --prompts 12 --rollouts 8 --slots 4 --long 288 --short 24]
+    .venv/bin/python bench/rollout_balance.py --rules --worlds 2   # claim_rule count against free_kv
 
 By default a prompt has more rollouts than an engine runs at once (8 against 4), as at the report's scale (2G = 32
 rollouts a prompt against 24 a 14B engine runs, configs/qwen3-14b): a long prompt claimed whole then decodes in
@@ -102,7 +103,7 @@ def run(root: Path, world: int, name: str, args) -> dict:
     if done.returncode:
         raise SystemExit(f"{name} on {world} processes failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
-    return {key: sum(r[key] for r in rows) / len(rows) for _, key in COLUMNS}
+    return {key: sum(r[key] for r in rows) / len(rows) for key in [k for _, k in COLUMNS] + ["perf/rollout_s"]}
 
 
 def main(argv=None) -> None:
@@ -128,10 +129,10 @@ def main(argv=None) -> None:
         write_jsonl(root / "train.jsonl", skewed_problems(args.prompts))
         print(f"tiny model, {args.prompts} prompts x {args.rollouts} rollouts a step, half LONG ({args.long} tokens) and half short "
               f"({args.short}), {args.slots} rollouts at a time per rank, {args.steps - 1} steps counted")
-        print("claims: static = fixed shares; prompts = balanced, whole prompts; pairs = balanced, 2 rollouts; "
-              "rollouts = balanced, single rollouts")
         if args.rules:
             return compare_rules(root, args)
+        print("claims: static = fixed shares; prompts = balanced, whole prompts; pairs = balanced, 2 rollouts; "
+              "rollouts = balanced, single rollouts")
         print(f"{'processes':>9} {'claims':>9} " + " ".join(f"{name:>12}" for name, _ in COLUMNS))
         for world in args.worlds:
             results = {name: run(root, world, name, args) for name in SETTINGS}
@@ -147,13 +148,19 @@ def main(argv=None) -> None:
 
 
 def compare_rules(root: Path, args) -> None:
-    """The count rule against free_kv on the same steps: the rollout phase's seconds (the slowest rank's) and the
-    share of it the ranks spent idle waiting for the slowest."""
-    print(f"{'processes':>9} {'claim rule':>10} {'rollout s':>10} {'rank idle':>10} {'step s':>8}")
+    """The count rule against free_kv on the same steps, single-rollout claims: the rollout phase's seconds (the
+    slowest rank's), the share of it the ranks spent idle waiting for the slowest, and on 2 processes each rank's
+    idle share (the other rank's time is 2 x the mean less the slowest's)."""
+    print("claim rules: count = claim while fewer than --slots rollouts are unfinished; free_kv = while the engine "
+          "(samplers/hf.py) has a free slot")
+    print(f"{'processes':>9} {'claim rule':>10} {'rollout s':>10} {'mean idle':>10} {'each rank idle':>16} "
+          f"{'step s':>8}")
     for world in args.worlds:
         results = {name: run(root, world, name, args) for name in RULES}
         for name, r in results.items():
-            print(f"{world:>9} {name:>10} {r['perf/rollout_max_s']:>10.2f} {r['perf/rollout_wait_frac']:>10.1%} "
+            slowest, mean = r["perf/rollout_max_s"], r["perf/rollout_s"]
+            each = f"0.0% / {(2 * slowest - 2 * mean) / slowest:.1%}" if world == 2 and slowest > 0 else "-"
+            print(f"{world:>9} {name:>10} {slowest:>10.2f} {r['perf/rollout_wait_frac']:>10.1%} {each:>16} "
                   f"{r['perf/step_s']:>8.2f}")
         c, f = results["count"], results["free_kv"]
         print(f"{world:>9} {'ratio':>10} {c['perf/rollout_max_s'] / f['perf/rollout_max_s']:>9.2f}x  (count / free_kv "

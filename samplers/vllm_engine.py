@@ -156,7 +156,7 @@ class VLLMSampler:
     def kv_room(self) -> int | None:
         """Free KV-cache tokens now (schedule.free_kv_rule): the scheduler's free blocks x block size, 0 while a
         request waits (queued, or preempted for room) or the engine runs its `max_num_seqs`; free blocks include
-        cached prefixes nobody uses, which vLLM evicts for new ones. vLLM 0.32-0.33's in-process engine core
+        cached prefixes nobody uses, which vLLM evicts for new ones. vLLM 0.32's in-process engine core
         (`LLMEngine.engine_core.engine_core.scheduler`); None where it is not there (an engine in another
         process, a fake)."""
         try:
