@@ -9,8 +9,8 @@ are easy, and every rank waits for it. The config field `schedule` (`SCHEDULES`)
   group's store (the TCP store that torchrun and `accelerate launch` already run); a rank claims the next
   `claim_size` of them (`store.add(key, 1)`) whenever its claim rule finds room (`CLAIM_RULES`, config
   `claim_rule`): its engine can start one more now (`free_kv`), or fewer than `rollout_batch_size` of its rollouts
-  are unfinished (`count`), until they run out. A rank whose rollouts finish
-  early takes more; nobody holds work its engine cannot start; one prompt's rollouts may run on several ranks.
+  are unfinished (`count`), until they run out. A rank whose rollouts finish early takes more; nobody holds work
+  its engine cannot start; one prompt's rollouts may run on several ranks.
   Under `static` each rank rolls out a fixed, contiguous share of the step's prompts instead.
 - Scores (before phases 4-6). Every rank gathers every rollout's few numbers (`gather_scores`: its place in the
   step, reward, the penalty's counts, its lengths; not its tokens), so the equal-group drop, Resample-on-Correct
@@ -19,11 +19,11 @@ are easy, and every rank waits for it. The config field `schedule` (`SCHEDULES`)
   micro-batches by tokens, balanced for the lockstep FSDP runs in; under `static` each rank keeps its own).
 
 What the report describes and what this does: the report's scheduler dispatches single requests to engines by their
-free KV cache, from one controller. Here there is no controller: each rank claims a few rollouts when its count of
-unfinished rollouts leaves room (`claim_rule: count`), or while its engine says it has room for one more (`claim_rule:
-free_kv`, the real configs' rule: the engine's free KV cache now, as vLLM admits), and the engine (vLLM, or
-samplers/hf.py) packs its own KV cache. On one process
-there is nobody to share with: the rank claims the whole step at once, exactly what the static schedule does.
+free KV cache, from one controller. Here there is no controller: each rank asks its own engine, claiming while it
+says it has room for one more (`claim_rule: free_kv`, the real configs' rule: the engine's free KV cache now, as
+vLLM admits), or while its count of unfinished rollouts leaves room (`claim_rule: count`), and the engine (vLLM, or
+samplers/hf.py) packs its own KV cache. bench/rollout_schedule.py simulates both at 64 ranks. On one process there
+is nobody to share with: the rank claims the whole step at once, exactly what the static schedule does.
 
 Results do not depend on which rank rolled a rollout out: the step's prompts are `train.prompt_indices`, RoC's
 generators are seeded by the group's position in the step, mini-batches are cut by that position

@@ -626,3 +626,27 @@ accel.run_and_exit(main)  # the group ended, and the process, as the entry point
     assert [r["seed"] for r in ranks] == [3, 4]
     assert [r["worker"][0] for r in ranks] == [0, 1]  # local ranks: the device index on a GPU node
     assert ranks[0]["tokens"] != ranks[1]["tokens"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_free_kv_claims_on_several_engines_give_the_count_rule_run_on_one(tiny, product_data, tmp_path, world):
+    """torchrun, `world` processes on gloo, one vLLM engine each, claim_rule=free_kv (each rank claims while its
+    engine reports free KV cache and nothing waits): the step's counts and losses are those of claim_rule=count on
+    one process (every turn draws from its own seed; the fp32 engines' rounding within the loss tolerance)."""
+    args = train_args(tiny, product_data, tmp_path / "one", *GROUPS, "claim_rule=count")
+    done = subprocess.run([sys.executable] + args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
+                str(29550 + world)]
+    args = train_args(tiny, product_data, tmp_path / "many", *GROUPS, "claim_rule=free_kv", "rollout_batch_size=1")
+    done = subprocess.run(torchrun + args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, many = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+                 for run in ("one", "many"))
+    assert [r["step"] for r in many] == [r["step"] for r in one] == [1, 2]
+    for a, b in zip(one, many):
+        for key in a:
+            if key.startswith("loss/") and key != "loss/lr":
+                assert b[key] == pytest.approx(a[key], abs=1e-5), key
+            elif key.startswith(("rollout/", "roc/")):
+                assert b[key] == pytest.approx(a[key], rel=1e-12, abs=1e-12), key
