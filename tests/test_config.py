@@ -234,6 +234,7 @@ def test_validate_warns_once_that_the_clip_cannot_bind_with_one_update(capsys, m
     ("train", "dual_clip=1.0", "dual_clip must be a finite number > 1, got 1.0"),
     ("train", "top_p=1.5", "top_p must be a finite number > 0 and <= 1, got 1.5"),
     ("train", "schedule=fast", "schedule must be one of ['balanced', 'static'], got 'fast'"),
+    ("train", "claim_rule=kv", "claim_rule must be one of ['free_kv', 'count'], got 'kv'"),
     ("sft", "lr=nan", "lr must be a finite number > 0, got nan"),
     ("sft", "log_every=0", "log_every must be an integer >= 1, got 0"),
     ("sft", "micro_batch_size=0", "micro_batch_size must be an integer >= 1, got 0"),
