@@ -1,6 +1,7 @@
 """The rollout scheduler measured: train.py on 2 and 3 CPU processes (torchrun, gloo), schedule=static against
-schedule=balanced claiming whole prompts (claim_size = rollouts per prompt), pairs (claim_size 2, the 14B configs')
-and single rollouts (claim_size 1), side by side in one run, on a step whose prompts are skewed (half of them long).
+schedule=balanced claiming whole prompts (claim_size = rollouts per prompt), pairs (claim_size 2) and single
+rollouts (claim_size 1), side by side in one run, on a step whose prompts are skewed (half of them long); with
+--rules, the two claim rules instead (claim_rule count against free_kv, single rollouts).
 
     .venv/bin/python bench/rollout_balance.py [--steps 6 --prompts 12 --rollouts 8 --slots 4 --long 288 --short 24]
     .venv/bin/python bench/rollout_balance.py --rules --worlds 2   # claim_rule count against free_kv
