@@ -180,8 +180,16 @@ class VllmEngine(Engine):
         self.prompts.append(prompt)
         self.waiting.extend((int(x), 0) for x in lengths)
 
+    growth = 0.0  # free() less what each sequence will still write up to this many response tokens (a reference)
+
     def free(self) -> float:
-        return self.capacity - self.kv  # what vLLM's KV cache manager reports: free blocks now
+        """What vLLM's KV cache manager reports: free blocks now; with `growth`, less each running or waiting
+        sequence's way to that many response tokens."""
+        if not self.growth:
+            return self.capacity - self.kv
+        done = np.concatenate([self.length - self.remaining, [d for _, d in self.waiting]])
+        waiting = len(self.waiting) * self.prompt_tokens + sum(d for _, d in self.waiting)
+        return self.capacity - self.kv - waiting - np.maximum(self.growth - done, 0).sum()
 
     def admit(self) -> None:
         new = []
@@ -226,7 +234,8 @@ ADMISSIONS = {"ideal": Engine, "vllm": VllmEngine}  # --admission: how an engine
 
 def simulate(lengths: np.ndarray, ranks: int, capacity: float, cost: DecodeCost, policy: str = "dynamic",
              prompt_tokens: int = 0, max_seqs: int = memory_plan.VLLM_MAX_SEQS, min_free: float | None = None,
-             max_unfinished: int | None = None, per_prompt: int = 1, admission: str = "ideal") -> dict:
+             max_unfinished: int | None = None, per_prompt: int = 1, admission: str = "ideal",
+             growth: float = 0.0) -> dict:
     """One step's rollouts of `lengths` (claims, rollouts per claim) on `ranks` engines of `capacity` KV tokens;
     `per_prompt` consecutive claims are one prompt's rollouts.
 
@@ -242,6 +251,8 @@ def simulate(lengths: np.ndarray, ranks: int, capacity: float, cost: DecodeCost,
         raise ValueError(f"a rollout of {int(lengths.max()) + prompt_tokens} tokens does not fit a KV cache of "
                          f"{capacity:,.0f} tokens")
     engines = [ADMISSIONS[admission](capacity, max_seqs, prompt_tokens) for _ in range(ranks)]
+    for e in engines:
+        e.growth = growth
     if policy == "static":
         if n_prompts % ranks:
             raise ValueError(f"{n_prompts} prompts do not divide over {ranks} ranks")
@@ -422,6 +433,9 @@ def main(argv=None) -> None:
     rows = [("static (schedule=static)", "ideal", simulate(lengths, args.ranks, kv_tokens, cost, "static", **kw)),
             *sorted(ours, key=lambda row: row[1] != "vllm"),
             ("fluid bound", "", ideal(lengths, args.ranks, kv_tokens, cost, **kw)),
+            ("ref: free_kv less mean growth", "vllm",
+             simulate(lengths.reshape(-1, claim), args.ranks, kv_tokens, cost, "dynamic", per_prompt=rollouts // claim,
+                      admission="vllm", min_free=args.prompt_tokens + lengths.mean(), growth=lengths.mean(), **kw)),
             ("ref: count, whole prompts", "ideal", claimed(rollouts, "count", "ideal")),
             ("ref: free_kv, whole prompts", "ideal", claimed(rollouts, "free_kv", "ideal"))]
     t2 = time.perf_counter()
@@ -444,11 +458,14 @@ def main(argv=None) -> None:
           f"free (a preempted sequence's recompute: {cost.b * 1e6:.1f} us per generated token)")
     print(f"  claims     schedule.py's rules, the next {claim} rollout(s) ((prompt, index) order) a claim: count while "
           f"fewer than {slots} of a rank's rollouts are unfinished (rollout_batch_size); free_kv while nothing it "
-          f"claimed waits and its engine has free KV (the report's rule); the config's: {rule}")
+          f"claimed waits and its engine has free KV (the report's rule); the config's: {rule}. Reference: free KV "
+          f"less each sequence's way to the mean length ({lengths.mean():,.0f}, e.g. the last step's), by vLLM's "
+          f"admission")
     print()
     print(f"{'policy':<34}{'admission':<11}{'step s':>8}{'step / fluid bound':>20}{'idle':>7}{'slowest s':>11}"
           f"{'fastest s':>11}{'prefills':>10}{'preempted':>11}")
-    bound = rows[[name for name, _, _ in rows].index("fluid bound")][2]["time"]
+    fluid = rows[[name for name, _, _ in rows].index("fluid bound")][2]
+    bound = fluid["time"]
     for name, adm, r in rows:
         tail = f"{r['prefills']:>10,}{r['preemptions']:>11,}" if "prefills" in r else ""
         print(f"{name:<34}{adm:<11}{r['time']:>8.1f}{r['time'] / bound:>19.2f}x{r['idle']:>7.1%}"
@@ -459,7 +476,7 @@ def main(argv=None) -> None:
           f"prompt would, {extra / 1e6:.2f}M prompt tokens prefilled beside {lengths.sum() / 1e6:.1f}M decoded "
           f"({extra / lengths.sum():.1%}; a prefill token costs a fraction of a decoded one)")
     print(f"claim_rule {rule} (vllm admission): step {mine['time'] / bound:.2f}x the fluid bound, idle "
-          f"{(mine['idle'] - rows[-3][2]['idle']) * 100:.1f} points above its")
+          f"{(mine['idle'] - fluid['idle']) * 100:.1f} points above its")
     print(f"(lengths {t1 - t0:.1f} s with the config, simulation {t2 - t1:.1f} s)")
 
 
