@@ -633,12 +633,13 @@ def test_free_kv_claims_on_several_engines_give_the_count_rule_run_on_one(tiny, 
     """torchrun, `world` processes on gloo, one vLLM engine each, claim_rule=free_kv (each rank claims while its
     engine reports free KV cache and nothing waits): the step's counts and losses are those of claim_rule=count on
     one process (every turn draws from its own seed; the fp32 engines' rounding within the loss tolerance)."""
-    args = train_args(tiny, product_data, tmp_path / "one", *GROUPS, "claim_rule=count")
+    six = [*GROUPS, "prompts_per_step=6"]  # divides over 2 and 3 processes
+    args = train_args(tiny, product_data, tmp_path / "one", *six, "claim_rule=count")
     done = subprocess.run([sys.executable] + args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
                 str(29550 + world)]
-    args = train_args(tiny, product_data, tmp_path / "many", *GROUPS, "claim_rule=free_kv", "rollout_batch_size=1")
+    args = train_args(tiny, product_data, tmp_path / "many", *six, "claim_rule=free_kv", "rollout_batch_size=1")
     done = subprocess.run(torchrun + args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     one, many = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
