@@ -7,15 +7,14 @@ The rStar2-Agent report (§3.2, its rollout scheduler) observes that assigning r
 statically leaves engines idle: rollout lengths vary widely and the step waits for the slowest engine. This script
 compares, for one step of B prompts x 2G rollouts on one colocated engine per rank:
 - static: schedule=static's contiguous shares, prompt i on rank i // (B / ranks);
-- balanced: schedule.py's rule as train.py runs it: a rank claims the next `claim_size` unclaimed rollouts (in
-  (prompt, index) order; the config's, 1 for the 14B recipe) while fewer than rollout_batch_size of its rollouts
-  are unfinished (a count, not the KV cache: the engine packs its own cache), until the step's rollouts run out;
-  and the same rule claiming whole prompts (claim_size = 2G), as a reference;
-- ideal: the work perfectly divisible: every engine at the steady state of a full KV cache for the whole step, all
-  finishing together (a fluid bound), or the longest rollout decoded alone if that takes longer;
-- by free KV (references): a rank claims whenever nothing it claimed is still waiting and its engine has room for
-  one more rollout of any length (free KV >= prompt + budget tokens), the report's rule, with whole prompts and
-  with single rollouts.
+- the claim rules of schedule.py as train.py runs them: a rank claims the next `claim_size` unclaimed rollouts (in
+  (prompt, index) order; the config's, 1 for the 14B recipe) while its engine has free KV cache and nothing it
+  claimed waits (`free_kv`, the report's rule and the 14B configs'), or while fewer than rollout_batch_size of its
+  rollouts are unfinished (`count`), until the step's rollouts run out; each under two admissions (below);
+- the fluid bound: the work perfectly divisible: every engine at the steady state of a cache full of reservations
+  for the whole step, all finishing together, or the longest rollout decoded alone if that takes longer;
+- references: both rules claiming whole prompts (claim_size = 2G), and free KV less each running sequence's way to
+  the step's mean length (a rule that would need that mean, e.g. from the last step).
 With whole prompts the step cannot end before the last claimed group finishes on its one engine, and a hard
 prompt's group can need more than one engine's KV cache, decoding in waves: the tail the table measures. Claims of
 single rollouts spread a prompt over engines instead, and each engine that holds one of its rollouts reads the
@@ -35,9 +34,12 @@ Assumptions (each a choice, printed above the table):
   sequence's 2 x params FLOPs at the GPU's peak bf16 rate. The model's shape and the KV cache's size (its tokens)
   come from tools/memory_plan.py for the config. Peak rates make every time optimistic by about the same factor; the
   idle fractions are what is compared;
-- a sequence is admitted (first come, first served, head of line) only while its eventual KV need, prompt +
-  response tokens, fits beside what the running sequences will need: no preemption, and the cache packed as well
-  as knowing the lengths allows (vLLM admits by current use and preempts instead). At most max_num_seqs run.
+- admission `ideal`: a sequence is admitted (first come, first served, head of line) only while its eventual KV
+  need, prompt + response tokens, fits beside what the running sequences will need: no preemption, and the cache
+  packed as well as knowing the lengths allows. Admission `vllm` (`VllmEngine`), as vLLM's v1 scheduler: admitted
+  while what it holds now fits, the newest preempted when the cache runs out and recomputed when readmitted
+  (its generated tokens charged at b each). At most max_num_seqs run. `--seeds N` prints the config's rule and the
+  count rule under both, seed by seed, and closes with the config rule's worst step / fluid bound under `vllm`.
 """
 import argparse
 import heapq
