@@ -638,7 +638,7 @@ def test_free_kv_claims_on_several_engines_give_the_count_rule_run_on_one(tiny, 
     done = subprocess.run([sys.executable] + args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-                str(29550 + world)]
+                str(free_port())]
     args = train_args(tiny, product_data, tmp_path / "many", *six, "claim_rule=free_kv", "rollout_batch_size=1")
     done = subprocess.run(torchrun + args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
