@@ -334,6 +334,15 @@ def all_gather(accelerator, obj) -> list:
     return out
 
 
+def gather_to_main(accelerator, obj) -> list | None:
+    """Every rank's `obj`, in rank order, on rank 0 only (pickled; None on the others): what one rank writes."""
+    if accelerator.num_processes == 1:
+        return [obj]
+    out = [None] * accelerator.num_processes if accelerator.is_main_process else None
+    torch.distributed.gather_object(obj, out, dst=0)
+    return out
+
+
 def all_gather_rows(accelerator, rows: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's (n_r, k) tensor of numbers, in rank order, on the CPU; n_r may differ between ranks (one gather
     of the counts, one of the rows padded to the longest). [rows] on one process."""
@@ -364,6 +373,8 @@ class Peers:
                  poll_s: float = 1.0):
         self.timeout_s, self.name, self.store, self.rank, self.world = timeout_s, name, store, rank, world
         self.poll_s, self.prefix, self.step, self.last_beat = min(poll_s, timeout_s / 10), f"{name}/{launch}", None, 0.0
+        self.at, self.stopping = "set-up", threading.Lock()  # where the main thread is; held by whoever stops the rank
+        self.watched = store  # the store the watchdog's keys are in (its own client: `watch`)
 
     def key(self, what: str, step=None) -> str:
         return f"{self.prefix}/{self.step if step is None else step}/{what}"
@@ -388,6 +399,13 @@ class Peers:
         self.beat()
         return []
 
+    def phase(self, what: str, where: str | None = None) -> None:
+        """The main thread enters `what` (rollouts, score gather, update, hand-off, checkpoint...) of `where` (the
+        current step's label by default): what the watchdog reports when this rank falls silent."""
+        self.at = f"{where or self.label()}, {what}"
+        if self.store is not None:  # at once: the rank may stop (or be stopped) right after entering it
+            self.watched.set(self.watch_key(f"at/{self.rank}"), self.at)
+
     def wait(self, phase: str) -> None:
         """This rank is done with `phase`; return once every rank is, or stop (SystemExit, one line) when a rank
         not done has not moved its counter for timeout_s, as this rank's clock counts (no clocks are compared)."""
@@ -402,19 +420,107 @@ class Peers:
             if not pending:
                 return
             for r in pending:
-                beats = store.add(self.key(f"beat/{r}"), 0)
+                beats = (store.add(self.key(f"beat/{r}"), 0), self.still_before(r))
                 if seen.get(r, (None,))[0] != beats:
                     seen[r] = (beats, now)
             silent = [r for r in pending if now - seen[r][1] > self.timeout_s]
-            if silent:
+            if silent and self.stopping.acquire(blocking=False):  # else the watchdog is stopping this rank
+                with contextlib.suppress(Exception):
+                    self.watched.set(self.watch_key("stop"), f"{self.label()}, {phase}: rank "
+                              f"{', '.join(map(str, silent))}")
                 raise SystemExit(f"{self.name}: {self.label()}, {phase}: rank {', '.join(map(str, silent))} made no "
                                  f"progress for {self.timeout_s:g} s (stopped, hung or gone; peer_timeout_s); rank "
                                  f"{self.rank} stops so that the launcher can restart the group from the last "
                                  "checkpoint")
             time.sleep(self.poll_s)
 
+    def still_before(self, r: int):
+        """While rank r's main thread has not reached this rank's phase (a long checkpoint write of the step before,
+        say), its watchdog's counter (which moves while its process runs); None once it has, or without a watchdog:
+        then only its engine's beats count."""
+        at = self.watch_key(f"at/{r}")
+        if not self.watched.check([at]) or self.watched.get(at).decode() == self.at:
+            return None
+        return self.watched.add(self.watch_key(f"alive/{r}"), 0)
+
     def label(self) -> str:
         return f"step {self.step + 1}" if isinstance(self.step, int) else str(self.step)
+
+    # ------------------------------------------------------------ the watchdog (point 7 above)
+    def watch_key(self, what: str) -> str:
+        return f"{self.prefix}/watch/{what}"
+
+    def watch(self, store=None, abort: Callable[[], None] | None = None) -> None:
+        """Start this rank's watchdog: a daemon thread that beats into the store (through `store`, a client of its
+        own, or the group's) and stops the process when a peer's beats stop for timeout_s (`watchdog`). A rank
+        that ends (atexit) says so first, so that the ranks still finishing do not name it."""
+        if self.store is None:
+            return
+        store = self.watched = store or self.store
+        closed = threading.Event()
+        store.set(self.watch_key(f"at/{self.rank}"), self.at)
+
+        def close():
+            closed.set()
+            with contextlib.suppress(Exception):
+                store.set(self.watch_key(f"gone/{self.rank}"), "1")
+        atexit.register(close)
+        threading.Thread(target=watchdog, args=(self, store, closed, abort or (lambda: None)), daemon=True,
+                         name=f"{self.name}-watchdog").start()
+
+    def stop(self, line: str, abort: Callable[[], None]) -> NoReturn:
+        """End this process from the watchdog thread (the main thread may be blocked in a collective): `line` on
+        stderr, a grace of a few polls so that the other live ranks say theirs before the launcher ends them,
+        the group aborted where the backend can be (given a few seconds), exit status 1."""
+        print(line, file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        time.sleep(min(3 * self.poll_s, 3.0))
+        ender = threading.Thread(target=abort, daemon=True)
+        ender.start()
+        ender.join(5.0)
+        os._exit(1)
+
+
+def watchdog(peers: Peers, store, closed: threading.Event, abort: Callable[[], None]) -> None:
+    """The loop of a rank's watchdog thread (point 7 above): add to this rank's counter every poll; read every peer's counter, and when one that has not ended has not moved for timeout_s
+    (as this rank's clock counts), or another rank has already stopped the group, stop this process with one line
+    naming the silent rank and where it was last seen."""
+    key, me, seen = peers.watch_key, peers.rank, {}
+    others = [r for r in range(peers.world) if r != me]
+    try:
+        while not closed.is_set():
+            store.add(key(f"alive/{me}"), 1)
+            now = time.monotonic()
+            if store.check([key("stop")]):
+                found = f"{store.get(key('stop')).decode()} made no progress for {peers.timeout_s:g} s"
+                silent = []
+            else:
+                for r in others:
+                    beats = store.add(key(f"alive/{r}"), 0)
+                    if seen.get(r, (None,))[0] != beats:
+                        seen[r] = (beats, now)
+                silent = [r for r in others if now - seen[r][1] > peers.timeout_s
+                          and not store.check([key(f"gone/{r}")])]
+                if not silent:
+                    time.sleep(peers.poll_s)
+                    continue
+                where = {r: store.get(key(f"at/{r}")).decode() if store.check([key(f"at/{r}")]) else "set-up"
+                         for r in silent}
+                named = (f"{where[silent[0]]}: rank {silent[0]}" if len(silent) == 1 else
+                         "ranks " + ", ".join(f"{r} ({where[r]})" for r in silent))
+                found = f"{named} made no progress for {peers.timeout_s:g} s"
+            if closed.is_set() or not peers.stopping.acquire(blocking=False):
+                return  # the rank is ending, or its main thread is already stopping it
+            if silent:
+                with contextlib.suppress(Exception):
+                    store.set(key("stop"), named)
+            peers.stop(f"{peers.name}: {found} (stopped, hung or gone; peer_timeout_s); rank {me} stops so that "
+                       "the launcher can restart the group from the last checkpoint", abort)
+    except Exception as e:  # noqa: BLE001 (the store itself is gone: the launcher's agent died)
+        if not closed.is_set() and peers.stopping.acquire(blocking=False):
+            peers.stop(f"{peers.name}: {peers.at}: rank {me} lost the process group's store ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else ''}); it stops", abort)
 
 
 def peers(timeout_s: float, name: str) -> Peers:
@@ -425,5 +531,26 @@ def peers(timeout_s: float, name: str) -> Peers:
         return Peers(timeout_s, name)
     launch = [uuid.uuid4().hex[:12]]
     dist.broadcast_object_list(launch, src=0)
-    return Peers(timeout_s, name, dist.distributed_c10d._get_default_store(), dist.get_rank(),
-                 dist.get_world_size(), launch[0])
+    out = Peers(timeout_s, name, dist.distributed_c10d._get_default_store(), dist.get_rank(),
+                dist.get_world_size(), launch[0])
+    out.watch(watch_store(timeout_s), abort=abort_process_group)
+    return out
+
+
+def watch_store(timeout_s: float):
+    """A client of its own on torchrun's agent store for the watchdog thread, whose operations give up after
+    timeout_s (the group's client waits as long as a collective may); None (the group's store) elsewhere."""
+    import torch.distributed as dist
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=max(timeout_s, 10)))
+
+
+def abort_process_group() -> None:
+    """The watchdog's way out of a group whose collective its main thread is blocked in: NCCL's abort path
+    (end_process_group(failed=True)); nothing for gloo, whose peers see the connection close when the process ends
+    (a destroy would wait for the blocked collective)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        end_process_group(failed=True)
