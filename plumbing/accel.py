@@ -47,17 +47,39 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    others; one whose counter has not moved for `peer_timeout_s` (600 s by default: a healthy engine finishes a
    step, and a tool call ends, well within it) is named in one line, and every rank still alive exits non-zero, so
    that the launcher (`torchrun --max_restarts N`) restarts the group from the last checkpoint. A stopped process,
-   a hung engine and a dead node all read the same: NCCL itself would not notice a vanished peer. Keys carry the
+   a hung engine and a dead node all read the same: NCCL itself would not notice a vanished peer. A rank that has
+   not reached the phase yet (still in the step before's checkpoint) is progressing while its watchdog (point 7)
+   beats; once there, only its engine's steps count. Keys carry the
    launch's identity (a token rank 0 draws when the group starts, so a restarted group never reads an earlier
    attempt's claims) and the step; a step's keys are deleted once every rank is past the step's first collective.
 6. A restarted group (`torchrun --max_restarts N`). torchrun's agent keeps one store for the whole launch under its
    static rendezvous, and torch's env:// set-up hands it to the workers as it is (torch 2.13,
    `torch/distributed/rendezvous.py`: "a new TCPStore for every retry", which the static rendezvous does not make).
    A restarted worker then reads the dead attempt's addresses and fails ("Gloo connectFullMesh failed ... Connection
-   refused"). `start_process_group` sets up the group first, on that store under a prefix of the attempt
-   (TORCHELASTIC_RESTART_COUNT), with torch's default backend for the machine's accelerator (NCCL for CUDA, gloo
-   without one); Accelerate then uses the group it finds. Across nodes each agent counts its own restarts: they
-   stay in step when every node's workers stop on each failure, which the heartbeat (point 5) makes them do.
+   refused"). `start_process_group` sets up the group first, on that store under a prefix of the attempt, with
+   torch's default backend for the machine's accelerator (NCCL for CUDA, gloo without one); Accelerate then uses the
+   group it finds. The attempt is agreed through the store (`agree_attempt`), not read from TORCHELASTIC_RESTART_COUNT: each
+   node's agent counts its own restarts, and a node whose worker failed before the group formed is restarted alone
+   (its count runs ahead of the others'). Every rank of an attempt arrives within `init_timeout_s` (600 s by default,
+   a setting of its own: a node that is slow to start loads its model later, not the group) or each one there stops
+   with one line naming the ranks missing, instead of waiting a collective's 30 minutes in the group's set-up.
+7. One watchdog for the whole step (`Peers.watch`). A rank blocked in a collective (the score gather, the update's
+   reduce-scatters, the hand-off's gathers, a checkpoint's barriers) cannot check anything itself, so every rank runs
+   a daemon thread that adds to a counter of its own in the store every poll (a tenth of `peer_timeout_s`, at most a
+   second) and reads every peer's; the main thread records the phase it enters (`Peers.phase`: rollouts, score
+   gather, update, hand-off, metrics, checkpoint, the held-out or benchmark evaluation; SFT's steps) in the store. Progress here is
+   the process running: a stopped (SIGSTOP) or dead process's threads stop with it, and a node that vanishes stops
+   its counters; a rank that is slow but runs (a long rollout, a long checkpoint write, a long tool call) keeps
+   beating, whatever its main thread is doing. A peer whose counter has not moved for `peer_timeout_s` is named in
+   one line with the step and phase it was last seen in; the first rank to see it writes that in the store, so
+   every live rank says it within a poll, and each ends its process with exit status 1 (os._exit: its main thread
+   may never return from the collective), after NCCL's abort where the backend is NCCL. The store is torchrun's
+   agent's, not rank 0's, so a stopped rank 0 is named like any other; the watchdog talks to it through a client of
+   its own whose operations give up after `peer_timeout_s`, and an agent that is gone stops the rank with one line.
+   A rank that ends (normally or with an error) says so first, so the ranks still finishing do not name it. What
+   the watchdog cannot see is a process that runs but whose main thread makes no progress outside a wait on peers
+   (a hung engine in the rollouts is caught by point 5, which counts the engine's steps); the others' collective
+   then waits out `process_group_timeout_s`.
 """
 import atexit
 import contextlib
@@ -73,6 +95,7 @@ import torch
 
 PROCESS_GROUP_TIMEOUT_S = 1800  # the configs' default (point 1 above)
 PEER_TIMEOUT_S = 600            # a peer silent this long while others wait for it stops the run (point 5 above)
+INIT_TIMEOUT_S = 600            # every rank of a (re)started group joins within this, or one line (point 6 above)
 REDUCE_DTYPE = torch.float32    # FSDP2 reduce-scatters gradients in this dtype under mixed_precision=bf16
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}  # the values the configs accept -> compute dtype
 
@@ -106,29 +129,63 @@ def fsdp_plugin(mixed_precision: str):
     return plugin
 
 
-def start_process_group(timeout_s: float) -> None:
-    """Under torchrun's agent store, the default process group on that store under a prefix of the restart attempt
-    (point 6 above); nothing on one process, under another launcher, or when a group is up."""
+def start_process_group(timeout_s: float, init_timeout_s: float = INIT_TIMEOUT_S) -> None:
+    """Under torchrun's agent store, the default process group on that store under a prefix of the attempt the
+    ranks agree on through the store (`agree_attempt`, point 6 above), every rank there within init_timeout_s or one
+    line; nothing on one process, under another launcher, or when a group is up."""
     import torch.distributed as dist
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or world <= 1 or dist.is_initialized():
         return
-    timeout = timedelta(seconds=timeout_s)
+    rank = int(os.environ["RANK"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(store=dist.PrefixStore(f"attempt_{attempt}", store), rank=int(os.environ["RANK"]),
-                            world_size=world, timeout=timeout)
+                          timeout=timedelta(seconds=init_timeout_s))
+    attempt = agree_attempt(store, rank, world, init_timeout_s)
+    dist.init_process_group(store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    store.set_timeout(timedelta(seconds=timeout_s))  # the group's later store waits are collectives' waits
+
+
+def agree_attempt(store, rank: int, world: int, wait_s: float, poll_s: float = 0.2) -> int:
+    """The number of this start of the group, agreed through the launch's store rather than read from each node's
+    TORCHELASTIC_RESTART_COUNT (each agent counts its own restarts, and a node whose worker failed before joining
+    restarts alone). Rank 0 counts its starts in the store; any other rank joins the newest start newer than the
+    one it last joined. Then every rank of that start arrives within wait_s, or each one there stops with one line
+    naming the ranks missing (a node whose launcher did not restart, or one that did alone)."""
+    if rank == 0:
+        attempt = store.add("rstar2/attempt", 1)
+    else:
+        mine = f"rstar2/attempt/joined/{rank}"
+        last = int(store.get(mine)) if store.check([mine]) else 0
+        deadline = time.monotonic() + wait_s
+        while (attempt := store.add("rstar2/attempt", 0)) <= last:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"process group: rank {rank} restarted, and rank 0 started no new attempt of the "
+                                 f"group within {wait_s:g} s (init_timeout_s; its node did not restart: the "
+                                 "launchers' restarts are out of step)")
+            time.sleep(poll_s)
+        store.set(mine, str(attempt))
+    store.set(f"rstar2/attempt/{attempt}/{rank}", "1")
+    arrived, deadline = store.add(f"rstar2/attempt/{attempt}/arrived", 1), time.monotonic() + wait_s
+    while arrived < world:
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world) if not store.check([f"rstar2/attempt/{attempt}/{r}"])]
+            raise SystemExit(f"process group: attempt {attempt}: rank(s) {', '.join(map(str, missing))} did not "
+                             f"join within {wait_s:g} s (init_timeout_s; not started, or started for another "
+                             f"attempt); rank {rank} stops")
+        time.sleep(poll_s)
+        arrived = store.add(f"rstar2/attempt/{attempt}/arrived", 0)
+    return attempt
 
 
 def make_accelerator(*, mixed_precision: str, report_to: str | None, out_dir: str, timeout_s: float,
-                     gradient_accumulation_steps: int = 1):
+                     gradient_accumulation_steps: int = 1, init_timeout_s: float = INIT_TIMEOUT_S):
     """The Accelerator of an entry point: trackers checked, the process group's timeout, the FSDP2 policy. On a
     machine without a GPU it runs on the CPU (cpu=True: the only way Accelerate sets up gloo across CPU processes)."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
     check_tracker(report_to)
-    start_process_group(timeout_s)
+    start_process_group(timeout_s, init_timeout_s)
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision,
                        gradient_accumulation_steps=gradient_accumulation_steps, log_with=report_to or None,
                        project_dir=out_dir, fsdp_plugin=fsdp_plugin(mixed_precision),

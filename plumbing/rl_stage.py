@@ -77,7 +77,8 @@ def setup(cfg: TrainConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     acc = accel.make_accelerator(mixed_precision=cfg.mixed_precision, report_to=cfg.report_to, out_dir=cfg.out_dir,
-                                 timeout_s=cfg.process_group_timeout_s)  # trackers, timeout, FSDP2 policy
+                                 timeout_s=cfg.process_group_timeout_s,  # trackers, timeouts, FSDP2 policy
+                                 init_timeout_s=cfg.init_timeout_s)
     threads = cpu_threads.set_torch_threads(cfg.torch_threads)  # after Accelerate, which may set its own count
     validate(cfg, acc.num_processes)
     try:  # where and how model code runs (code_tool.py's sandbox modes)

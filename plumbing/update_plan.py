@@ -14,7 +14,9 @@ not the largest rank's total.
   in counts at most one apart. Under `schedule=balanced` the rollouts go wherever the plan puts them (each part to
   the rank that already holds most of its tokens); under `static` each rank keeps its own, packed the same way, so
   the two differ only in where rollouts train. A rank with nothing for a slot runs a filler, a two-token sequence
-  built locally that trains nothing, so every rank joins every collective.
+  built locally that trains nothing, so every rank joins every collective. A mini-batch with no kept rollout has
+  no slots: the update takes no optimizer or scheduler step for it. Before anything moves, the ranks compare a
+  digest of the plan (`plan_digest`); one that differs stops every rank with one line naming it.
 - The exchange (`exchange`). Each kept rollout the plan moves goes from the rank that sampled it straight to the
   one that trains it, as tensors (point-to-point): its token ids, loss mask and sampler log-probs; its advantage
   and mini-batch every rank knows already. Dropped rollouts never move.

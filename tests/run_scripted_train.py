@@ -8,8 +8,9 @@ rolled out and trained on (`record_inputs`); WATCH_GRADS=1 records the whole gra
 backward (`watch_unsharded_grads`); COUNT_ALL_REDUCE=1 records how many all-reduces FSDP2 ran across replicas in every
 backward, and where each optimizer step fell (`count_replica_all_reduces`); FAULT=stop|kill:RANK:STEP[:PHASE] makes a
 rank stop or die during a step's rollouts or another phase (`inject_fault`); SLOW=RANK:PHASE:SECONDS slows one;
-ALTER_PLAN=RANK alters one rank's update plan (`alter_plan`); LOGPROBS_RANKS=0,2 gives log-probs from those ranks'
-samplers only (all: every rank's; unset: none)."""
+ALTER_PLAN=RANK alters one rank's update plan (`alter_plan`); EXIT_BEFORE_GROUP=RANK makes that rank exit once
+before the process group starts (its launcher restarts it alone); LOGPROBS_RANKS=0,2 gives log-probs from those
+ranks' samplers only (all: every rank's; unset: none)."""
 import json
 import os
 import signal
@@ -206,6 +207,11 @@ if __name__ == "__main__":
     out_dir = Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1])
     if os.environ.get("FAULT"):
         inject_fault(os.environ["FAULT"], out_dir.parent / f"{out_dir.name}.fault")
+    if os.environ.get("EXIT_BEFORE_GROUP") == os.environ.get("RANK"):  # once per run folder, before the group starts
+        early = out_dir.parent / f"{out_dir.name}.early"
+        if not early.exists():
+            early.write_text(os.environ.get("TORCHELASTIC_RESTART_COUNT", ""))
+            os._exit(3)
     if os.environ.get("ALTER_PLAN"):
         alter_plan(os.environ["ALTER_PLAN"])
     if os.environ.get("SLOW"):

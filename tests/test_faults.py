@@ -202,3 +202,28 @@ def test_a_rank_with_another_update_plan_stops_every_rank_naming_it(data):
     assert done.returncode != 0
     assert "update plan: rank 1 computed another update plan than ranks 0, 2" in done.stderr, done.stderr[-3000:]
     assert "made no progress" not in done.stderr
+
+
+def test_two_nodes_whose_restart_counts_differ_meet_on_one_attempt(data):
+    """Two torchrun agents, one process each: node 1's worker exits before the group starts and its agent restarts
+    it alone (TORCHELASTIC_RESTART_COUNT 1 there, 0 on node 0). The ranks agree on the attempt through the store,
+    meet, and the run ends normally; a launch whose node 1 does not restart stops with one line naming rank 1
+    within init_timeout_s."""
+    out, port = data / "restart_counts", str(free_port())
+    node = lambda rank, restarts, out, init: subprocess.Popen(  # noqa: E731
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank),
+         "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port, "--max_restarts",
+         str(restarts), str(SCRIPT)] + args(data, out, steps=1, extra=[f"init_timeout_s={init}"]),
+        env={**ENV, "EXIT_BEFORE_GROUP": "1"}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first, second = node(0, 0, out, 240), node(1, 1, out, 240)
+    _, err0 = first.communicate(timeout=600)
+    _, err1 = second.communicate(timeout=120)
+    assert (out.parent / "restart_counts.early").read_text() == "0"  # node 1's first worker left, and came back
+    assert first.returncode == 0 and second.returncode == 0, err0[-2000:] + err1[-2000:]
+    assert [r["step"] for r in metrics(out)] == [1]
+    out, port = data / "no_restart", str(free_port())
+    first, second = node(0, 0, out, 20), node(1, 0, out, 20)
+    _, err0 = first.communicate(timeout=300)
+    second.communicate(timeout=120)
+    assert first.returncode != 0
+    assert "process group: attempt 1: rank(s) 1 did not join within 20 s" in err0, err0[-3000:]
