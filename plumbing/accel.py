@@ -76,7 +76,8 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    may never return from the collective), after NCCL's abort where the backend is NCCL. The store is torchrun's
    agent's, not rank 0's, so a stopped rank 0 is named like any other; the watchdog talks to it through a client of
    its own whose operations give up after `peer_timeout_s`, and an agent that is gone stops the rank with one line.
-   A rank that ends (normally or with an error) says so first, so the ranks still finishing do not name it. What
+   A rank that ends says so first: normally, and the ranks still finishing do not name it; with an error, and every
+   other rank stops at once with one line (a launcher sees only its own node's workers fail). What
    the watchdog cannot see is a process that runs but whose main thread makes no progress outside a wait on peers
    (a hung engine in the rollouts is caught by point 5, which counts the engine's steps); the others' collective
    then waits out `process_group_timeout_s`.
@@ -96,6 +97,7 @@ import torch
 PROCESS_GROUP_TIMEOUT_S = 1800  # the configs' default (point 1 above)
 PEER_TIMEOUT_S = 600            # a peer silent this long while others wait for it stops the run (point 5 above)
 INIT_TIMEOUT_S = 600            # every rank of a (re)started group joins within this, or one line (point 6 above)
+FAILED = threading.Event()      # set when this process's work ends with an error: its watchdog tells the peers
 REDUCE_DTYPE = torch.float32    # FSDP2 reduce-scatters gradients in this dtype under mixed_precision=bf16
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}  # the values the configs accept -> compute dtype
 
@@ -219,9 +221,12 @@ def process_group_ends():
     try:
         yield
     except SystemExit as e:
+        if e.code not in (None, 0):
+            FAILED.set()
         end_process_group(failed=e.code not in (None, 0))
         raise
     except BaseException:
+        FAILED.set()
         end_process_group(failed=True)
         raise
     end_process_group()
@@ -510,7 +515,8 @@ class Peers:
     def watch(self, store=None, abort: Callable[[], None] | None = None) -> None:
         """Start this rank's watchdog: a daemon thread that beats into the store (through `store`, a client of its
         own, or the group's) and stops the process when a peer's beats stop for timeout_s (`watchdog`). A rank
-        that ends (atexit) says so first, so that the ranks still finishing do not name it."""
+        that ends (atexit) says so first, so that the ranks still finishing do not name it; one that ends with an
+        error (`FAILED`) stops the others at once, as its launcher may be alone in seeing it (another node's)."""
         if self.store is None:
             return
         store = self.watched = store or self.store
@@ -520,7 +526,9 @@ class Peers:
         def close():
             closed.set()
             with contextlib.suppress(Exception):
-                store.set(self.watch_key(f"gone/{self.rank}"), "1")
+                store.set(self.watch_key(f"gone/{self.rank}"), "error" if FAILED.is_set() else "done")
+                if FAILED.is_set():
+                    store.add(self.watch_key("errors"), 1)
         atexit.register(close)
         threading.Thread(target=watchdog, args=(self, store, closed, abort or (lambda: None)), daemon=True,
                          name=f"{self.name}-watchdog").start()
@@ -540,17 +548,25 @@ class Peers:
 
 
 def watchdog(peers: Peers, store, closed: threading.Event, abort: Callable[[], None]) -> None:
-    """The loop of a rank's watchdog thread (point 7 above): add to this rank's counter every poll; read every peer's counter, and when one that has not ended has not moved for timeout_s
-    (as this rank's clock counts), or another rank has already stopped the group, stop this process with one line
-    naming the silent rank and where it was last seen."""
+    """The loop of a rank's watchdog thread (point 7 above): add to this rank's counter every poll; read every
+    peer's, and when one that has not ended has not moved for timeout_s (as this rank's clock counts), another rank
+    has already stopped the group, or a peer's work ended with an error, stop this process with one line naming the
+    rank and where it was last seen."""
     key, me, seen = peers.watch_key, peers.rank, {}
     others = [r for r in range(peers.world) if r != me]
     try:
         while not closed.is_set():
             store.add(key(f"alive/{me}"), 1)
             now = time.monotonic()
-            if store.check([key("stop")]):
+            stopped = store.check([key("stop")])
+            failed = [r for r in others if store.check([key(f"gone/{r}")]) and store.get(key(f"gone/{r}")) == b"error"
+                      ] if not stopped and store.add(key("errors"), 0) else []
+            if stopped:
                 found = f"{store.get(key('stop')).decode()} made no progress for {peers.timeout_s:g} s"
+                silent = []
+            elif failed:
+                found = (f"rank {', '.join(map(str, failed))} ended with an error (its own lines say which), last seen "
+                         f"in {store.get(key(f'at/{failed[0]}')).decode()}")
                 silent = []
             else:
                 for r in others:
@@ -572,8 +588,9 @@ def watchdog(peers: Peers, store, closed: threading.Event, abort: Callable[[], N
             if silent:
                 with contextlib.suppress(Exception):
                     store.set(key("stop"), named)
-            peers.stop(f"{peers.name}: {found} (stopped, hung or gone; peer_timeout_s); rank {me} stops so that "
-                       "the launcher can restart the group from the last checkpoint", abort)
+            why = "" if failed else " (stopped, hung or gone; peer_timeout_s)"
+            peers.stop(f"{peers.name}: {found}{why}; rank {me} stops so that the launcher can restart the group "
+                       "from the last checkpoint", abort)
     except Exception as e:  # noqa: BLE001 (the store itself is gone: the launcher's agent died)
         if not closed.is_set() and peers.stopping.acquire(blocking=False):
             peers.stop(f"{peers.name}: {peers.at}: rank {me} lost the process group's store ({type(e).__name__}: "
