@@ -152,32 +152,39 @@ def agree_attempt(store, rank: int, world: int, wait_s: float, poll_s: float = 0
     """The number of this start of the group, agreed through the launch's store rather than read from each node's
     TORCHELASTIC_RESTART_COUNT (each agent counts its own restarts, and a node whose worker failed before joining
     restarts alone). Rank 0 counts its starts in the store; any other rank joins the newest start newer than the
-    one it last joined. Then every rank of that start arrives within wait_s, or each one there stops with one line
-    naming the ranks missing (a node whose launcher did not restart, or one that did alone)."""
+    one it last joined (and moves on to a newer one while it waits). Then every rank of that start arrives within
+    wait_s, or each one there stops with one line naming the ranks missing (a node whose launcher did not restart,
+    or one that did alone)."""
+    newest = lambda: store.add("rstar2/attempt", 0)  # noqa: E731
     if rank == 0:
         attempt = store.add("rstar2/attempt", 1)
     else:
         mine = f"rstar2/attempt/joined/{rank}"
         last = int(store.get(mine)) if store.check([mine]) else 0
         deadline = time.monotonic() + wait_s
-        while (attempt := store.add("rstar2/attempt", 0)) <= last:
+        while (attempt := newest()) <= last:
             if time.monotonic() > deadline:
                 raise SystemExit(f"process group: rank {rank} restarted, and rank 0 started no new attempt of the "
                                  f"group within {wait_s:g} s (init_timeout_s; its node did not restart: the "
                                  "launchers' restarts are out of step)")
             time.sleep(poll_s)
-        store.set(mine, str(attempt))
-    store.set(f"rstar2/attempt/{attempt}/{rank}", "1")
-    arrived, deadline = store.add(f"rstar2/attempt/{attempt}/arrived", 1), time.monotonic() + wait_s
-    while arrived < world:
-        if time.monotonic() > deadline:
-            missing = [r for r in range(world) if not store.check([f"rstar2/attempt/{attempt}/{r}"])]
-            raise SystemExit(f"process group: attempt {attempt}: rank(s) {', '.join(map(str, missing))} did not "
-                             f"join within {wait_s:g} s (init_timeout_s; not started, or started for another "
-                             f"attempt); rank {rank} stops")
-        time.sleep(poll_s)
-        arrived = store.add(f"rstar2/attempt/{attempt}/arrived", 0)
-    return attempt
+    deadline = time.monotonic() + wait_s
+    while True:
+        if rank:
+            store.set(f"rstar2/attempt/joined/{rank}", str(attempt))
+        store.set(f"rstar2/attempt/{attempt}/{rank}", "1")
+        arrived = store.add(f"rstar2/attempt/{attempt}/arrived", 1)
+        while arrived < world and not (rank and newest() > attempt):
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world) if not store.check([f"rstar2/attempt/{attempt}/{r}"])]
+                raise SystemExit(f"process group: attempt {attempt}: rank(s) {', '.join(map(str, missing))} did "
+                                 f"not join within {wait_s:g} s (init_timeout_s; not started, or started for "
+                                 f"another attempt); rank {rank} stops")
+            time.sleep(poll_s)
+            arrived = store.add(f"rstar2/attempt/{attempt}/arrived", 0)
+        if arrived >= world:
+            return attempt
+        attempt = newest()  # rank 0 started again while this rank waited: join its new attempt
 
 
 def make_accelerator(*, mixed_precision: str, report_to: str | None, out_dir: str, timeout_s: float,

@@ -146,3 +146,36 @@ def test_the_watchdog_does_not_name_a_rank_that_ended_and_stops_at_once_for_one_
     time.sleep(0.5)
     assert list(said) == [0] and said[0].startswith("t: rank 1 ended with an error (its own lines say which), last "
                                                     "seen in step 3, update; rank 0 stops"), said
+
+
+def agree(store, starts: list[tuple[int, float, float]]) -> dict:
+    """accel.agree_attempt for (rank, start delay, wait) on threads sharing `store` (2 ranks): rank -> the attempt,
+    or its one line."""
+    from plumbing.accel import agree_attempt
+    out = {}
+
+    def go(rank, delay, wait):
+        time.sleep(delay)
+        try:
+            out[rank] = agree_attempt(store, rank, 2, wait, 0.02)
+        except SystemExit as e:
+            out[rank] = str(e)
+    threads = [threading.Thread(target=go, args=start) for start in starts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_ranks_agree_on_the_restart_attempt_through_the_store_not_their_own_counts():
+    store = torch.distributed.HashStore()
+    assert agree(store, [(0, 0.0, 2.0), (1, 0.3, 2.0)]) == {0: 1, 1: 1}  # the first start
+    assert agree(store, [(1, 0.0, 2.0), (0, 0.3, 2.0)]) == {0: 2, 1: 2}  # both restarted, rank 1 first
+    store.add("rstar2/attempt", 1)  # rank 0 started attempt 3 and died before rank 1 came; it starts again
+    assert agree(store, [(1, 0.0, 2.0), (0, 0.3, 2.0)]) == {0: 4, 1: 4}
+    said = agree(store, [(1, 0.0, 0.3)])  # rank 1 restarted alone: rank 0 never starts a new attempt
+    assert said[1].startswith("process group: rank 1 restarted, and rank 0 started no new attempt of the group "
+                              "within 0.3 s")
+    said = agree(store, [(0, 0.0, 0.3)])  # rank 0 restarted alone
+    assert said[0].startswith("process group: attempt 5: rank(s) 1 did not join within 0.3 s")
