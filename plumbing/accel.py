@@ -67,8 +67,8 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    reduce-scatters, the hand-off's gathers, a checkpoint's barriers) cannot check anything itself, so every rank runs
    a daemon thread that adds to a counter of its own in the store every poll (a tenth of `peer_timeout_s`, at most a
    second) and reads every peer's; the main thread records the phase it enters (`Peers.phase`: rollouts, score
-   gather, update, hand-off, metrics, checkpoint, the held-out or benchmark evaluation; SFT's steps) in the store. Progress here is
-   the process running: a stopped (SIGSTOP) or dead process's threads stop with it, and a node that vanishes stops
+   gather, update, hand-off, metrics, checkpoint, the held-out or benchmark evaluation; SFT's steps) in the store.
+   Progress here is the process running: a stopped (SIGSTOP) or dead process's threads stop with it, and a node that vanishes stops
    its counters; a rank that is slow but runs (a long rollout, a long checkpoint write, a long tool call) keeps
    beating, whatever its main thread is doing. A peer whose counter has not moved for `peer_timeout_s` is named in
    one line with the step and phase it was last seen in; the first rank to see it writes that in the store, so

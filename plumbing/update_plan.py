@@ -215,8 +215,8 @@ def plan_update(tokens: list[int], owners: list[int], minibatch: list[int], upda
     """The micro-batch slots of every mini-batch: plan[u][s][r] = the MicroBatch (of indices into tokens, owners and
     minibatch) rank r trains in slot s of mini-batch u; one without rows is a filler. Every rank has the same number
     of slots in a mini-batch; an empty mini-batch (no kept rollout on any rank) has none, and the update skips it
-    (train.update_policy). tokens[i]: item i's prompt + response tokens; owners[i]: the rank that holds it; budget: tokens per
-    micro-batch (0: micro-batches of `size` items, padded); layout: `layout_for`. spread: items may move
+    (train.update_policy). tokens[i]: item i's prompt + response tokens; owners[i]: the rank that holds it; budget:
+    tokens per micro-batch (0: micro-batches of `size` items, padded); layout: `layout_for`. spread: items may move
     (`balanced`); else each rank trains its own (`static`). A pure function: every rank computes the same plan."""
     plan = []
     for u in range(updates):

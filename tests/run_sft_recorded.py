@@ -5,8 +5,8 @@ micro-batch trained and, under FSDP2, what each backward left on the rank. Write
 holding a gradient of the whole unsharded parameter: FSDPParam.unsharded_accumulated_grad, which FSDP2 keeps in the
 reduce dtype while gradient sync is off, or the unsharded parameter's own .grad), `grads` (parameters whose .grad
 is set) and `sharded_grads` (those whose .grad is a DTensor holding less than the whole parameter on this rank).
-Under `accelerate launch`, CPU_FSDP=1 lets Accelerate's FSDP run on CPU processes (tests/cpu_fsdp.py); FAULT=RANK:STEP:PHASE
-stops a rank in a phase of a step (`stop_in`)."""
+Under `accelerate launch`, CPU_FSDP=1 lets Accelerate's FSDP run on CPU processes (tests/cpu_fsdp.py);
+FAULT=RANK:STEP:PHASE stops a rank in a phase of a step (`stop_in`)."""
 import json
 import os
 import sys

@@ -5,10 +5,10 @@ mixed rewards; a randomly initialised tiny model never answers correctly, so eve
 nothing would be tested. This sampler writes the turns itself (correct for some rollouts of a group, wrong for the
 others, some through a real tool call) while the trainer computes log-probs and gradients on the real model.
 
-Problems are "Say N." with answer N. Rollout k of a problem (its slot in the step, read from the seed train.py
-gives each rollout, schedule.rollout_seed, recorded as it is drawn; without one the k-th copy in one generate call) answers correctly when
-k is even, with a pattern of period 4, so a rollout behaves the same whichever rank plays it (or, with use_rng,
-when the global torch RNG says so: that makes resume tests check RNG restoring).
+Problems are "Say N." with answer N. Rollout k of a problem (its slot in the step, looked up from the seed train.py
+gives each rollout, schedule.rollout_seed, as it is drawn; without one the k-th copy in one generate call) answers
+correctly when k is even, with a pattern of period 4, so a rollout behaves the same whichever rank plays it (or,
+with use_rng, when the global torch RNG says so: that makes resume tests check RNG restoring).
 
 The sampler keeps its own copy of the model, as an engine does: `update_weights` copies the trainer's weights in
 (or skips them with skip_updates=True, a stale engine), and `score` answers from that copy, so train.py's hand-off
