@@ -68,19 +68,20 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    a daemon thread that adds to a counter of its own in the store every poll (a tenth of `peer_timeout_s`, at most a
    second) and reads every peer's; the main thread records the phase it enters (`Peers.phase`: rollouts, score
    gather, update, hand-off, metrics, checkpoint, the held-out or benchmark evaluation; SFT's steps) in the store.
-   Progress here is the process running: a stopped (SIGSTOP) or dead process's threads stop with it, and a node that vanishes stops
-   its counters; a rank that is slow but runs (a long rollout, a long checkpoint write, a long tool call) keeps
-   beating, whatever its main thread is doing. A peer whose counter has not moved for `peer_timeout_s` is named in
-   one line with the step and phase it was last seen in; the first rank to see it writes that in the store, so
-   every live rank says it within a poll, and each ends its process with exit status 1 (os._exit: its main thread
+   Progress here is the process running: a stopped (SIGSTOP) or dead process's threads stop with it, and a node that
+   vanishes stops its counters; a rank that is slow but runs (a long rollout, a long checkpoint write, a long tool
+   call) keeps beating, whatever its main thread is doing. A peer whose counter has not moved for `peer_timeout_s` is
+   named in one line with the step and phase it was last seen in; the first rank to see it writes that in the store,
+   so every live rank says it within a poll, and each ends its process with exit status 1 (os._exit: its main thread
    may never return from the collective), after NCCL's abort where the backend is NCCL. The store is torchrun's
    agent's, not rank 0's, so a stopped rank 0 is named like any other; the watchdog talks to it through a client of
-   its own whose operations give up after `peer_timeout_s`, and an agent that is gone stops the rank with one line.
-   A rank that ends says so first: normally, and the ranks still finishing do not name it; with an error, and every
-   other rank stops at once with one line (a launcher sees only its own node's workers fail). What
-   the watchdog cannot see is a process that runs but whose main thread makes no progress outside a wait on peers
-   (a hung engine in the rollouts is caught by point 5, which counts the engine's steps); the others' collective
-   then waits out `process_group_timeout_s`.
+   its own whose operations give up after `peer_timeout_s` (10 s at least), and an agent that is gone stops the rank
+   with one line. A
+   rank that ends says so first: normally, and the ranks still finishing do not name it; with an error, and every
+   other rank stops at once with one line (a launcher sees only its own node's workers fail). What the watchdog
+   cannot see is a process that runs but whose main thread makes no progress outside a wait on peers (a hung engine
+   in the rollouts is caught by point 5, which counts the engine's steps); the others' collective then waits out
+   `process_group_timeout_s`.
 """
 import atexit
 import contextlib
