@@ -78,9 +78,9 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    its own whose operations give up after `peer_timeout_s` (10 s at least), and an agent that is gone stops the rank
    with one line. A rank that ends says so first: normally, and the ranks still finishing do not name it; with an
    error, and every other rank stops at once with one line (a launcher sees only its own node's workers fail). What
-   the watchdog cannot see is a process that runs but whose main thread makes no progress outside a wait on peers (a hung engine
-   in the rollouts is caught by point 5, which counts the engine's steps); the others' collective then waits out
-   `process_group_timeout_s`.
+   the watchdog cannot see is a process that runs but whose main thread makes no progress outside a wait on peers
+   (a hung engine in the rollouts is caught by point 5, which counts the engine's steps); the others' collective
+   then waits out `process_group_timeout_s`.
 """
 import atexit
 import contextlib
