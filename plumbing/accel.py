@@ -567,7 +567,7 @@ def watchdog(peers: Peers, store, closed: threading.Event, abort: Callable[[], N
             now = time.monotonic()
             stopped = store.check([key("stop")])
             failed = [r for r in others if store.check([key(f"gone/{r}")]) and store.get(key(f"gone/{r}")) == b"error"
-                      ] if not stopped and store.add(key("errors"), 0) else []
+                      ] if not (stopped or FAILED.is_set()) and store.add(key("errors"), 0) else []
             if stopped:
                 found = f"{store.get(key('stop')).decode()} made no progress for {peers.timeout_s:g} s"
                 silent = []
