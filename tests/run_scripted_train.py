@@ -207,7 +207,7 @@ if __name__ == "__main__":
     out_dir = Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1])
     if os.environ.get("FAULT"):
         inject_fault(os.environ["FAULT"], out_dir.parent / f"{out_dir.name}.fault")
-    if os.environ.get("EXIT_BEFORE_GROUP") == os.environ.get("RANK"):  # once per run folder, before the group starts
+    if os.environ.get("EXIT_BEFORE_GROUP", "none") == os.environ.get("RANK", "0"):  # once per run folder, early
         early = out_dir.parent / f"{out_dir.name}.early"
         if not early.exists():
             early.write_text(os.environ.get("TORCHELASTIC_RESTART_COUNT", ""))
