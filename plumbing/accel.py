@@ -58,9 +58,9 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    A restarted worker then reads the dead attempt's addresses and fails ("Gloo connectFullMesh failed ... Connection
    refused"). `start_process_group` sets up the group first, on that store under a prefix of the attempt, with
    torch's default backend for the machine's accelerator (NCCL for CUDA, gloo without one); Accelerate then uses the
-   group it finds. The attempt is agreed through the store (`agree_attempt`), not read from TORCHELASTIC_RESTART_COUNT: each
-   node's agent counts its own restarts, and a node whose worker failed before the group formed is restarted alone
-   (its count runs ahead of the others'). Every rank of an attempt arrives within `init_timeout_s` (600 s by default,
+   group it finds. The attempt is agreed through the store (`agree_attempt`), not read from
+   TORCHELASTIC_RESTART_COUNT: each node's agent counts its own restarts, and a node whose worker failed before the
+   group formed is restarted alone (its count runs ahead of the others'). Every rank of an attempt arrives within `init_timeout_s` (600 s by default,
    a setting of its own: a node that is slow to start loads its model later, not the group) or each one there stops
    with one line naming the ranks missing, instead of waiting a collective's 30 minutes in the group's set-up.
 7. One watchdog for the whole step (`Peers.watch`). A rank blocked in a collective (the score gather, the update's
