@@ -241,7 +241,7 @@ def test_a_stalled_sft_rank_is_named_by_the_watchdog(tiny, tmp_path):
     import time
     out = tmp_path / "stalled"
     launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "--master_port", str(next(PORTS)), RUNNER] + sft_args(tiny, out) + ["peer_timeout_s=5"],
+                               "--master_port", str(free_port()), RUNNER] + sft_args(tiny, out) + ["peer_timeout_s=5"],
                               cwd=ROOT, env={**ENV, "FAULT": "1:2:train"}, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     line, said, tail = "sft: step 2, train: rank 1 made no progress for 5 s", None, []
