@@ -623,6 +623,7 @@ def evaluate_todo(cfg: EvalConfig, todo: list, results: dict, identity: dict, sa
             start = time.perf_counter()
             mine = problem_share(len(problems), rank, world)
             peers.start(name)
+            peers.phase("rollouts")
             trajs, timeouts = roll_and_score(
                 [problems[i] for i in mine], sampler, tool, tokenizer, fmt, k, cfg.max_response_tokens,
                 cfg.max_turns, cfg.temperature, cfg.top_p, cfg.batch_size, cfg.sync_turns,
@@ -630,6 +631,7 @@ def evaluate_todo(cfg: EvalConfig, todo: list, results: dict, identity: dict, sa
             peers.wait("rollouts")
             records = [trajectory_record(name, problems[mine[t // k]], mine[t // k], t % k, traj)
                        for t, traj in enumerate(trajs)]
+            peers.phase("gather")
             shares = gather_to_main((records, timeouts), rank, world)
             if not main:
                 continue

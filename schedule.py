@@ -96,12 +96,24 @@ def free_kv_rule(sampler, capacity: float):
 CLAIM_RULES = {"free_kv": free_kv_rule, "count": count_rule}
 
 
+# rollout_seed's fields, in bits: seed (its low bits), step, slot, turn; 62 in all
+SEED_FIELDS = {"seed": 16, "step": 16, "slot": 22, "turn": 8}
+MASK62 = 2**62 - 1
+
+
 def rollout_seed(seed: int, step: int, slot: int, turn: int) -> int:
     """The sampling seed of one turn of one rollout, a function of (seed, step, slot, turn) only, so the engine that
-    draws a rollout does not change its random numbers. 31 bits, as every sampler takes: a mix of (seed, step) in the
-    high bits, slot x 64 + turn below them (distinct within a step for turns below 64)."""
-    high = (seed * 1_000_003 + step * 10_007) % 1_021
-    return (high * 2**21 + slot * 64 + turn) % 2**31
+    draws a rollout does not change its random numbers. The four are packed into 62 bits (`SEED_FIELDS`: seeds
+    that differ in their low 16 bits, 65,536 steps, 4M slots a step, 256 turns) and hashed by a bijection (xor-shift
+    and odd multiplications modulo 2^62, splitmix64's finaliser on 62 bits): seeds look random, and no two turns of a
+    run, or of runs whose seeds differ in those bits (the stages of a recipe), share one while the fields fit."""
+    x = 0
+    for value, bits in zip((seed, step, slot, turn), SEED_FIELDS.values()):
+        x = (x << bits) | (value % 2**bits)
+    x = (x + 0x1E3779B97F4A7C15) & MASK62  # splitmix64's increment: (0, 0, 0, 0) is not seed 0
+    for shift, odd in ((31, 0x3F58476D1CE4E5B9), (27, 0x14D049BB133111EB), (31, 1)):
+        x = ((x ^ (x >> shift)) * odd) & MASK62
+    return x
 
 
 class Claims:

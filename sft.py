@@ -125,6 +125,8 @@ class SFTConfig:
     log_every: int = 10  # optimizer steps between log lines
     report_to: str | None = None  # None, "tensorboard" or "wandb"; a tracker that cannot start stops the run
     process_group_timeout_s: float = accel.PROCESS_GROUP_TIMEOUT_S  # NCCL watchdog: a collective waits this long
+    init_timeout_s: float = accel.INIT_TIMEOUT_S  # every rank of a (re)started group joins within this
+    peer_timeout_s: float = accel.PEER_TIMEOUT_S  # a rank silent this long stops every rank (accel.py, point 7)
     max_steps: int | None = None  # stop after this many optimizer steps (tests, smoke runs)
     save_every: int = 0  # optimizer steps between checkpoints (0: none); a multiple of log_every
     keep_checkpoints: int = 2  # newest checkpoints kept in out_dir
@@ -137,7 +139,8 @@ class SFTConfig:
 # weights nor the logged numbers (trackers, checkpoint cadence). log_every is not free: it sets which steps' losses
 # each metrics line averages.
 RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "report_to", "save_every", "keep_checkpoints",
-               "torch_threads", "process_group_timeout_s"}
+               "torch_threads", "process_group_timeout_s", "init_timeout_s",
+               "peer_timeout_s"}
 
 
 # Allowed values of the numeric fields (config.check_ranges), checked by `check_inputs` before any work.
@@ -147,6 +150,7 @@ RANGES = {
     "adam_beta2": ">= 0 and < 1",
     "grad_clip": "> 0", "seed": ">= 0 and <= 4294967295", "log_every": ">= 1", "max_steps": ">= 1",
     "save_every": ">= 0", "keep_checkpoints": ">= 1", "torch_threads": ">= 0", "process_group_timeout_s": "> 0",
+    "init_timeout_s": "> 0", "peer_timeout_s": "> 0",
     "lora_rank": ">= 0", "lora_alpha": "> 0", "lora_dropout": ">= 0 and < 1",
 }
 
@@ -306,7 +310,7 @@ def make_accelerator(cfg: SFTConfig) -> tuple[Accelerator, int]:
     """The Accelerator (plumbing/accel.py: trackers, process-group timeout, FSDP2 policy) and the micro-batches each rank
     runs per optimizer step (micro_batch_size * that * world_size == batch_size)."""
     acc = accel.make_accelerator(mixed_precision=cfg.mixed_precision, report_to=cfg.report_to, out_dir=cfg.out_dir,
-                                 timeout_s=cfg.process_group_timeout_s)
+                                 timeout_s=cfg.process_group_timeout_s, init_timeout_s=cfg.init_timeout_s)
     per_step = cfg.micro_batch_size * acc.num_processes
     if cfg.batch_size % per_step:
         raise SystemExit(f"sft: batch_size={cfg.batch_size} is not a multiple of micro_batch_size * world_size "
@@ -537,6 +541,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     acc.print(f"sft: {total_steps} optimizer steps ({steps_per_epoch}/epoch), batch {cfg.batch_size} = "
               f"{cfg.micro_batch_size} x {per_rank} accumulation x {P} ranks, warm-up {warmup_steps} steps")
     step, start = resume(acc, checkpoint, steps_per_epoch, W)
+    peers = accel.peers(cfg.peer_timeout_s, "sft")  # the watchdog: a silent rank is named (plumbing/accel.py, 7)
 
     # ---- the loop: each optimizer step accumulates one window of micro-batches; log and checkpoint every few
     sharded, losses, tokens, t0 = accel.is_sharded(model), [], 0, time.perf_counter()
@@ -545,6 +550,7 @@ def run_sft(cfg: SFTConfig) -> Path:
     for epoch, k, window in windows(batches, cfg.epochs, W, start):
         if step >= total_steps:
             break
+        peers.phase("train", f"step {step + 1}")
         window_losses, window_tokens = accumulate_window(acc, model, window, examples, collate_fn, per_rank, sharded)
         losses, tokens = losses + window_losses, tokens + window_tokens
         lr = scheduler.get_last_lr()[0]  # the lr this step trains with (logged)
@@ -556,9 +562,11 @@ def run_sft(cfg: SFTConfig) -> Path:
             log_step(acc, metrics_path, row, bar)
             losses, tokens, t0 = [], 0, time.perf_counter()
         if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
+            peers.phase("checkpoint", f"step {step}")
             save_checkpoint(acc, out, step, {"epoch": epoch, "windows_in_epoch": k + 1, "total_steps": total_steps,
                                              "identity": identity}, keep_last=cfg.keep_checkpoints)
     bar.close()
+    peers.phase("model", f"step {step}")
     save_model(acc, model, tokenizer, out / "model", saved_dtype)
     acc.print(f"sft: saved {out / 'model'}")
     acc.end_training()

@@ -65,6 +65,7 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     # ---------------------------------------------------------------- 1-2. claim rollouts, play them out
     indices = prompt_indices(step, B, len(run.problems), cfg.seed)
     run.peers.start(step)
+    run.peers.phase("rollouts")  # where this rank is, for the watchdog's line (plumbing/accel.py, 7)
     claims = step_claims(cfg.schedule, step, [run.problems[i]["problem"] for i in indices], K,
                          cfg.rollout_batch_size, cfg.claim_size, cfg.seed, run.peers, cfg.claim_rule, run.sampler)
     trajs = rollout([], run.sampler, run.tool, run.tokenizer, run.fmt, max_response_tokens=cfg.max_response_tokens,
@@ -79,6 +80,7 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
         t.reward = float(v.correct)
     # ---------------------------------------------------------------- 4-6. drop equal groups, RoC, advantages
     # ... on the whole step: every rank gathers every rollout's reward and penalty counts (not its tokens)
+    run.peers.phase("score gather")
     scores = gather_scores(acc, claims.slots, trajs)
     rewards, penalties = step_grids(scores, B, K, step)
     # RoC's random choices: a generator per group, seeded by the group's place in the step (not by the rank)
@@ -87,11 +89,13 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     groups, kept_idx, adv = select_step(rewards, penalties, cfg.group_size, cfg.roc_mode, gens)
     kept = kept_slots(groups, kept_idx, adv, K, cfg)  # slot -> (advantage, mini-batch)
     if cfg.save_rollouts_every and (step + 1) % cfg.save_rollouts_every == 0:
+        run.peers.phase("rollouts saved")
         save_rollouts(acc, run.out / "rollouts" / f"step_{step + 1:06d}.jsonl", step + 1,
                       [run.problems[indices[slot // K]] for slot in claims.slots], claims.slots, trajs, K, kept)
     # ---------------------------------------------------------------- 7-8. old log-probs, policy update
     # ... on micro-batch slots balanced over ranks by tokens (schedule.py: under `static`, each rank's own)
     t1 = time.perf_counter()
+    run.peers.phase("update")
     if hasattr(run.sampler, "sleep"):
         run.sampler.sleep()  # colocated vLLM: free the GPU memory of its weights and KV cache for the update
     work, plan = update_work(acc, scores, kept, dict(zip(claims.slots, trajs)), cfg.updates_per_step,
@@ -102,9 +106,11 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
         acc, run.model, run.optimizer, run.scheduler, work, cfg, run.pad_id).items()}
     t_update = time.perf_counter() - t1
     # ---------------------------------------------------------------- 9. hand the new weights to the sampler
+    run.peers.phase("hand-off")
     run.handoff_check = handoff.sync(acc, run.model, run.sampler, run.probe, f"after step {step + 1}",
                                      run.handoff_check)
     # ---------------------------------------------------------------- 10. the step's numbers, for the log
+    run.peers.phase("metrics")
     sums.update(step_metrics(acc, trajs, verdicts, scores, groups, kept, K, plan, lr, rollout=t_rollout,
                              update=t_update, step=time.perf_counter() - t0))
     return sums
@@ -137,6 +143,8 @@ def update_policy(accelerator, model, optimizer, scheduler, work, cfg, pad_id: i
     # Phase 8: `updates_per_step` optimizer steps (mini-batches), each accumulating its micro-batches.
     sums, seq_log_ratios = {}, []
     for micro, micro_old, counts in zip(minibatches, old, work.counts):
+        if not micro:  # no kept rollout on any rank: no optimizer or scheduler step, the weights stay as they are
+            continue
         # The normaliser, over ALL ranks and micro-batches of this mini-batch: unmasked tokens (token-level loss)
         # or sequences (sequence-mean ablation); every rank knows it from the gathered scores.
         normaliser = counts[counted]
@@ -314,10 +322,12 @@ def run_stage(cfg: TrainConfig) -> None:
                 acc.log(metrics, step=step)
             bar.update(1)
             if step % cfg.save_every == 0 or step == cfg.steps:
+                run.peers.phase("checkpoint", f"step {step}")
                 save_checkpoint(acc, run.out, step, {"stage": cfg.stage, "identity": run.identity,
                                                      "prompts_consumed": step * cfg.prompts_per_step},
                                 keep_last=cfg.keep_checkpoints)
         # model/ in the dtype the stage started from (the masters stay fp32 in the checkpoints), whole or absent
+        run.peers.phase("model", f"step {step}")
         save_model(acc, run.model, run.tokenizer, run.out / "model", input_dtype(cfg.model_path))
         if acc.is_main_process:
             plot_curves(log_path, run.out / "curves.png")

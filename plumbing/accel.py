@@ -47,17 +47,40 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    others; one whose counter has not moved for `peer_timeout_s` (600 s by default: a healthy engine finishes a
    step, and a tool call ends, well within it) is named in one line, and every rank still alive exits non-zero, so
    that the launcher (`torchrun --max_restarts N`) restarts the group from the last checkpoint. A stopped process,
-   a hung engine and a dead node all read the same: NCCL itself would not notice a vanished peer. Keys carry the
+   a hung engine and a dead node all read the same: NCCL itself would not notice a vanished peer. A rank that has
+   not reached the phase yet (still in the step before's checkpoint) is progressing while its watchdog (point 7)
+   beats; once there, only its engine's steps count. Keys carry the
    launch's identity (a token rank 0 draws when the group starts, so a restarted group never reads an earlier
    attempt's claims) and the step; a step's keys are deleted once every rank is past the step's first collective.
 6. A restarted group (`torchrun --max_restarts N`). torchrun's agent keeps one store for the whole launch under its
    static rendezvous, and torch's env:// set-up hands it to the workers as it is (torch 2.13,
    `torch/distributed/rendezvous.py`: "a new TCPStore for every retry", which the static rendezvous does not make).
    A restarted worker then reads the dead attempt's addresses and fails ("Gloo connectFullMesh failed ... Connection
-   refused"). `start_process_group` sets up the group first, on that store under a prefix of the attempt
-   (TORCHELASTIC_RESTART_COUNT), with torch's default backend for the machine's accelerator (NCCL for CUDA, gloo
-   without one); Accelerate then uses the group it finds. Across nodes each agent counts its own restarts: they
-   stay in step when every node's workers stop on each failure, which the heartbeat (point 5) makes them do.
+   refused"). `start_process_group` sets up the group first, on that store under a prefix of the attempt, with
+   torch's default backend for the machine's accelerator (NCCL for CUDA, gloo without one); Accelerate then uses the
+   group it finds. The attempt is agreed through the store (`agree_attempt`), not read from
+   TORCHELASTIC_RESTART_COUNT: each node's agent counts its own restarts, and a node whose worker failed before the
+   group formed is restarted alone (its count runs ahead of the others'). Every rank of an attempt arrives within `init_timeout_s` (600 s by default,
+   a setting of its own: a node that is slow to start loads its model later, not the group) or each one there stops
+   with one line naming the ranks missing, instead of waiting a collective's 30 minutes in the group's set-up.
+7. One watchdog for the whole step (`Peers.watch`). A rank blocked in a collective (the score gather, the update's
+   reduce-scatters, the hand-off's gathers, a checkpoint's barriers) cannot check anything itself, so every rank runs
+   a daemon thread that adds to a counter of its own in the store every poll (a tenth of `peer_timeout_s`, at most a
+   second) and reads every peer's; the main thread records the phase it enters (`Peers.phase`: rollouts, score
+   gather, update, hand-off, metrics, checkpoint, the held-out or benchmark evaluation; SFT's steps) in the store.
+   Progress here is the process running: a stopped (SIGSTOP) or dead process's threads stop with it, and a node that
+   vanishes stops its counters; a rank that is slow but runs (a long rollout, a long checkpoint write, a long tool
+   call) keeps beating, whatever its main thread is doing. A peer whose counter has not moved for `peer_timeout_s` is
+   named in one line with the step and phase it was last seen in; the first rank to see it writes that in the store,
+   so every live rank says it within a poll, and each ends its process with exit status 1 (os._exit: its main thread
+   may never return from the collective), after NCCL's abort where the backend is NCCL. The store is torchrun's
+   agent's, not rank 0's, so a stopped rank 0 is named like any other; the watchdog talks to it through a client of
+   its own whose operations give up after `peer_timeout_s` (10 s at least), and an agent that is gone stops the rank
+   with one line. A rank that ends says so first: normally, and the ranks still finishing do not name it; with an
+   error, and every other rank stops at once with one line (a launcher sees only its own node's workers fail). What
+   the watchdog cannot see is a process that runs but whose main thread makes no progress outside a wait on peers
+   (a hung engine in the rollouts is caught by point 5, which counts the engine's steps); the others' collective
+   then waits out `process_group_timeout_s`.
 """
 import atexit
 import contextlib
@@ -73,6 +96,8 @@ import torch
 
 PROCESS_GROUP_TIMEOUT_S = 1800  # the configs' default (point 1 above)
 PEER_TIMEOUT_S = 600            # a peer silent this long while others wait for it stops the run (point 5 above)
+INIT_TIMEOUT_S = 600            # every rank of a (re)started group joins within this, or one line (point 6 above)
+FAILED = threading.Event()      # set when this process's work ends with an error: its watchdog tells the peers
 REDUCE_DTYPE = torch.float32    # FSDP2 reduce-scatters gradients in this dtype under mixed_precision=bf16
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}  # the values the configs accept -> compute dtype
 
@@ -106,29 +131,70 @@ def fsdp_plugin(mixed_precision: str):
     return plugin
 
 
-def start_process_group(timeout_s: float) -> None:
-    """Under torchrun's agent store, the default process group on that store under a prefix of the restart attempt
-    (point 6 above); nothing on one process, under another launcher, or when a group is up."""
+def start_process_group(timeout_s: float, init_timeout_s: float = INIT_TIMEOUT_S) -> None:
+    """Under torchrun's agent store, the default process group on that store under a prefix of the attempt the
+    ranks agree on through the store (`agree_attempt`, point 6 above), every rank there within init_timeout_s or one
+    line; nothing on one process, under another launcher, or when a group is up."""
     import torch.distributed as dist
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or world <= 1 or dist.is_initialized():
         return
-    timeout = timedelta(seconds=timeout_s)
+    rank = int(os.environ["RANK"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(store=dist.PrefixStore(f"attempt_{attempt}", store), rank=int(os.environ["RANK"]),
-                            world_size=world, timeout=timeout)
+                          timeout=timedelta(seconds=init_timeout_s))
+    attempt = agree_attempt(store, rank, world, init_timeout_s)
+    dist.init_process_group(store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    store.set_timeout(timedelta(seconds=timeout_s))  # the group's later store waits are collectives' waits
+
+
+def agree_attempt(store, rank: int, world: int, wait_s: float, poll_s: float = 0.2) -> int:
+    """The number of this start of the group, agreed through the launch's store rather than read from each node's
+    TORCHELASTIC_RESTART_COUNT (each agent counts its own restarts, and a node whose worker failed before joining
+    restarts alone). Rank 0 counts its starts in the store; any other rank joins the newest start newer than the
+    one it last joined (and moves on to a newer one while it waits). Then every rank of that start arrives within
+    wait_s, or each one there stops with one line naming the ranks missing (a node whose launcher did not restart,
+    or one that did alone)."""
+    newest = lambda: store.add("rstar2/attempt", 0)  # noqa: E731
+    if rank == 0:
+        attempt = store.add("rstar2/attempt", 1)
+    else:
+        mine = f"rstar2/attempt/joined/{rank}"
+        last = int(store.get(mine)) if store.check([mine]) else 0
+        deadline = time.monotonic() + wait_s
+        while (attempt := newest()) <= last:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"process group: rank {rank} restarted, and rank 0 started no new attempt of the "
+                                 f"group within {wait_s:g} s (init_timeout_s; its node did not restart: the "
+                                 "launchers' restarts are out of step)")
+            time.sleep(poll_s)
+    deadline = time.monotonic() + wait_s
+    while True:
+        if rank:
+            store.set(f"rstar2/attempt/joined/{rank}", str(attempt))
+        store.set(f"rstar2/attempt/{attempt}/{rank}", "1")
+        arrived = store.add(f"rstar2/attempt/{attempt}/arrived", 1)
+        while arrived < world and not (rank and newest() > attempt):
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world) if not store.check([f"rstar2/attempt/{attempt}/{r}"])]
+                raise SystemExit(f"process group: attempt {attempt}: rank(s) {', '.join(map(str, missing))} did "
+                                 f"not join within {wait_s:g} s (init_timeout_s; not started, or started for "
+                                 f"another attempt); rank {rank} stops")
+            time.sleep(poll_s)
+            arrived = store.add(f"rstar2/attempt/{attempt}/arrived", 0)
+        if arrived >= world:
+            return attempt
+        attempt = newest()  # rank 0 started again while this rank waited: join its new attempt
 
 
 def make_accelerator(*, mixed_precision: str, report_to: str | None, out_dir: str, timeout_s: float,
-                     gradient_accumulation_steps: int = 1):
+                     gradient_accumulation_steps: int = 1, init_timeout_s: float = INIT_TIMEOUT_S):
     """The Accelerator of an entry point: trackers checked, the process group's timeout, the FSDP2 policy. On a
     machine without a GPU it runs on the CPU (cpu=True: the only way Accelerate sets up gloo across CPU processes)."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
     check_tracker(report_to)
-    start_process_group(timeout_s)
+    start_process_group(timeout_s, init_timeout_s)
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision,
                        gradient_accumulation_steps=gradient_accumulation_steps, log_with=report_to or None,
                        project_dir=out_dir, fsdp_plugin=fsdp_plugin(mixed_precision),
@@ -162,9 +228,12 @@ def process_group_ends():
     try:
         yield
     except SystemExit as e:
+        if e.code not in (None, 0):
+            FAILED.set()
         end_process_group(failed=e.code not in (None, 0))
         raise
     except BaseException:
+        FAILED.set()
         end_process_group(failed=True)
         raise
     end_process_group()
@@ -334,6 +403,15 @@ def all_gather(accelerator, obj) -> list:
     return out
 
 
+def gather_to_main(accelerator, obj) -> list | None:
+    """Every rank's `obj`, in rank order, on rank 0 only (pickled; None on the others): what one rank writes."""
+    if accelerator.num_processes == 1:
+        return [obj]
+    out = [None] * accelerator.num_processes if accelerator.is_main_process else None
+    torch.distributed.gather_object(obj, out, dst=0)
+    return out
+
+
 def all_gather_rows(accelerator, rows: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's (n_r, k) tensor of numbers, in rank order, on the CPU; n_r may differ between ranks (one gather
     of the counts, one of the rows padded to the longest). [rows] on one process."""
@@ -364,6 +442,8 @@ class Peers:
                  poll_s: float = 1.0):
         self.timeout_s, self.name, self.store, self.rank, self.world = timeout_s, name, store, rank, world
         self.poll_s, self.prefix, self.step, self.last_beat = min(poll_s, timeout_s / 10), f"{name}/{launch}", None, 0.0
+        self.at, self.stopping = "set-up", threading.Lock()  # where the main thread is; held by whoever stops the rank
+        self.watched = store  # the store the watchdog's keys are in (its own client: `watch`)
 
     def key(self, what: str, step=None) -> str:
         return f"{self.prefix}/{self.step if step is None else step}/{what}"
@@ -388,6 +468,13 @@ class Peers:
         self.beat()
         return []
 
+    def phase(self, what: str, where: str | None = None) -> None:
+        """The main thread enters `what` (rollouts, score gather, update, hand-off, checkpoint...) of `where` (the
+        current step's label by default): what the watchdog reports when this rank falls silent."""
+        self.at = f"{where or self.label()}, {what}"
+        if self.store is not None:  # at once: the rank may stop (or be stopped) right after entering it
+            self.watched.set(self.watch_key(f"at/{self.rank}"), self.at)
+
     def wait(self, phase: str) -> None:
         """This rank is done with `phase`; return once every rank is, or stop (SystemExit, one line) when a rank
         not done has not moved its counter for timeout_s, as this rank's clock counts (no clocks are compared)."""
@@ -402,19 +489,119 @@ class Peers:
             if not pending:
                 return
             for r in pending:
-                beats = store.add(self.key(f"beat/{r}"), 0)
+                beats = (store.add(self.key(f"beat/{r}"), 0), self.still_before(r))
                 if seen.get(r, (None,))[0] != beats:
                     seen[r] = (beats, now)
             silent = [r for r in pending if now - seen[r][1] > self.timeout_s]
-            if silent:
+            if silent and self.stopping.acquire(blocking=False):  # else the watchdog is stopping this rank
+                with contextlib.suppress(Exception):
+                    self.watched.set(self.watch_key("stop"), f"{self.label()}, {phase}: rank "
+                              f"{', '.join(map(str, silent))}")
                 raise SystemExit(f"{self.name}: {self.label()}, {phase}: rank {', '.join(map(str, silent))} made no "
                                  f"progress for {self.timeout_s:g} s (stopped, hung or gone; peer_timeout_s); rank "
                                  f"{self.rank} stops so that the launcher can restart the group from the last "
                                  "checkpoint")
             time.sleep(self.poll_s)
 
+    def still_before(self, r: int):
+        """While rank r's main thread has not reached this rank's phase (a long checkpoint write of the step before,
+        say), its watchdog's counter (which moves while its process runs); None once it has, or without a watchdog:
+        then only its engine's beats count."""
+        at = self.watch_key(f"at/{r}")
+        if not self.watched.check([at]) or self.watched.get(at).decode() == self.at:
+            return None
+        return self.watched.add(self.watch_key(f"alive/{r}"), 0)
+
     def label(self) -> str:
         return f"step {self.step + 1}" if isinstance(self.step, int) else str(self.step)
+
+    # ------------------------------------------------------------ the watchdog (point 7 above)
+    def watch_key(self, what: str) -> str:
+        return f"{self.prefix}/watch/{what}"
+
+    def watch(self, store=None, abort: Callable[[], None] | None = None) -> None:
+        """Start this rank's watchdog: a daemon thread that beats into the store (through `store`, a client of its
+        own, or the group's) and stops the process when a peer's beats stop for timeout_s (`watchdog`). A rank
+        that ends (atexit) says so first, so that the ranks still finishing do not name it; one that ends with an
+        error (`FAILED`) stops the others at once, as its launcher may be alone in seeing it (another node's)."""
+        if self.store is None:
+            return
+        store = self.watched = store or self.store
+        closed = threading.Event()
+        store.set(self.watch_key(f"at/{self.rank}"), self.at)
+
+        def close():
+            closed.set()
+            with contextlib.suppress(Exception):
+                store.set(self.watch_key(f"gone/{self.rank}"), "error" if FAILED.is_set() else "done")
+                if FAILED.is_set():
+                    store.add(self.watch_key("errors"), 1)
+        atexit.register(close)
+        threading.Thread(target=watchdog, args=(self, store, closed, abort or (lambda: None)), daemon=True,
+                         name=f"{self.name}-watchdog").start()
+
+    def stop(self, line: str, abort: Callable[[], None]) -> NoReturn:
+        """End this process from the watchdog thread (the main thread may be blocked in a collective): `line` on
+        stderr, a grace of a few polls so that the other live ranks say theirs before the launcher ends them,
+        the group aborted where the backend can be (given a few seconds), exit status 1."""
+        print(line, file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        time.sleep(min(3 * self.poll_s, 3.0))
+        ender = threading.Thread(target=abort, daemon=True)
+        ender.start()
+        ender.join(5.0)
+        os._exit(1)
+
+
+def watchdog(peers: Peers, store, closed: threading.Event, abort: Callable[[], None]) -> None:
+    """The loop of a rank's watchdog thread (point 7 above): add to this rank's counter every poll; read every
+    peer's, and when one that has not ended has not moved for timeout_s (as this rank's clock counts), another rank
+    has already stopped the group, or a peer's work ended with an error, stop this process with one line naming the
+    rank and where it was last seen."""
+    key, me, seen = peers.watch_key, peers.rank, {}
+    others = [r for r in range(peers.world) if r != me]
+    try:
+        while not closed.is_set():
+            store.add(key(f"alive/{me}"), 1)
+            now = time.monotonic()
+            stopped = store.check([key("stop")])
+            failed = [r for r in others if store.check([key(f"gone/{r}")]) and store.get(key(f"gone/{r}")) == b"error"
+                      ] if not (stopped or FAILED.is_set()) and store.add(key("errors"), 0) else []
+            if stopped:
+                found = f"{store.get(key('stop')).decode()} made no progress for {peers.timeout_s:g} s"
+                silent = []
+            elif failed:
+                found = (f"rank {', '.join(map(str, failed))} ended with an error (its own lines say which), last seen "
+                         f"in {store.get(key(f'at/{failed[0]}')).decode()}")
+                silent = []
+            else:
+                for r in others:
+                    beats = store.add(key(f"alive/{r}"), 0)
+                    if seen.get(r, (None,))[0] != beats:
+                        seen[r] = (beats, now)
+                silent = [r for r in others if now - seen[r][1] > peers.timeout_s
+                          and not store.check([key(f"gone/{r}")])]
+                if not silent:
+                    time.sleep(peers.poll_s)
+                    continue
+                where = {r: store.get(key(f"at/{r}")).decode() if store.check([key(f"at/{r}")]) else "set-up"
+                         for r in silent}
+                named = (f"{where[silent[0]]}: rank {silent[0]}" if len(silent) == 1 else
+                         "ranks " + ", ".join(f"{r} ({where[r]})" for r in silent))
+                found = f"{named} made no progress for {peers.timeout_s:g} s"
+            if closed.is_set() or not peers.stopping.acquire(blocking=False):
+                return  # the rank is ending, or its main thread is already stopping it
+            if silent:
+                with contextlib.suppress(Exception):
+                    store.set(key("stop"), named)
+            why = "" if failed else " (stopped, hung or gone; peer_timeout_s)"
+            peers.stop(f"{peers.name}: {found}{why}; rank {me} stops so that the launcher can restart the group "
+                       "from the last checkpoint", abort)
+    except Exception as e:  # noqa: BLE001 (the store itself is gone: the launcher's agent died)
+        if not closed.is_set() and peers.stopping.acquire(blocking=False):
+            peers.stop(f"{peers.name}: {peers.at}: rank {me} lost the process group's store ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else ''}); it stops", abort)
 
 
 def peers(timeout_s: float, name: str) -> Peers:
@@ -425,5 +612,26 @@ def peers(timeout_s: float, name: str) -> Peers:
         return Peers(timeout_s, name)
     launch = [uuid.uuid4().hex[:12]]
     dist.broadcast_object_list(launch, src=0)
-    return Peers(timeout_s, name, dist.distributed_c10d._get_default_store(), dist.get_rank(),
-                 dist.get_world_size(), launch[0])
+    out = Peers(timeout_s, name, dist.distributed_c10d._get_default_store(), dist.get_rank(),
+                dist.get_world_size(), launch[0])
+    out.watch(watch_store(timeout_s), abort=abort_process_group)
+    return out
+
+
+def watch_store(timeout_s: float):
+    """A client of its own on torchrun's agent store for the watchdog thread, whose operations give up after
+    timeout_s (the group's client waits as long as a collective may); None (the group's store) elsewhere."""
+    import torch.distributed as dist
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=max(timeout_s, 10)))
+
+
+def abort_process_group() -> None:
+    """The watchdog's way out of a group whose collective its main thread is blocked in: NCCL's abort path
+    (end_process_group(failed=True)); nothing for gloo, whose peers see the connection close when the process ends
+    (a destroy would wait for the blocked collective)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        end_process_group(failed=True)

@@ -32,15 +32,15 @@ def save_rollouts(acc, path: Path, step: int, problems: list[dict], slots: list[
                   kept: dict) -> None:
     """Every rollout of the step, from every rank, as eval.py's trajectory records (problem-major) with what the
     update made of it: the step, its penalty counts' total, whether RoC kept it, its advantage and mini-batch.
-    Rank 0 writes the file whole (a resumed step writes it again)."""
+    Rank 0 gathers them (no other rank holds a copy) and writes the file whole (a resumed step writes it again)."""
     mine = [{**trajectory_record(f"step {step}", problem, slot // per_group, slot % per_group, t), "step": step,
              "penalty": penalty_total(t.num_tool_calls, t.num_failed_tool_calls, t.num_answer_blocks, t.num_turns),
              "kept": slot in kept, "advantage": kept[slot][0] if slot in kept else None,
              "minibatch": kept[slot][1] if slot in kept else None}
             for problem, slot, t in zip(problems, slots, trajs)]
-    every = [r for rank in accel.all_gather(acc, mine) for r in rank]
-    records = sorted(every, key=lambda r: (r["problem_index"], r["sample"]))
-    if acc.is_main_process:
+    every = accel.gather_to_main(acc, mine)
+    if every is not None:
+        records = sorted((r for rank in every for r in rank), key=lambda r: (r["problem_index"], r["sample"]))
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
@@ -50,6 +50,7 @@ def held_out_eval(cfg: TrainConfig, run, step: int) -> dict:
     acc = run.accelerator
     problems = run.eval_problems[acc.process_index::acc.num_processes]
     run.peers.start(f"held-out evaluation after step {step}")
+    run.peers.phase("rollouts")
     trajs = rollout([p["problem"] for p in problems for _ in range(cfg.eval_samples)], run.sampler, run.tool,
                     run.tokenizer, run.fmt, max_response_tokens=cfg.max_response_tokens, max_turns=cfg.max_turns,
                     temperature=cfg.eval_temperature, top_p=1.0, sync_turns=cfg.sync_turns, more=run.peers.beating)
@@ -76,7 +77,8 @@ def setup(cfg: TrainConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     acc = accel.make_accelerator(mixed_precision=cfg.mixed_precision, report_to=cfg.report_to, out_dir=cfg.out_dir,
-                                 timeout_s=cfg.process_group_timeout_s)  # trackers, timeout, FSDP2 policy
+                                 timeout_s=cfg.process_group_timeout_s,  # trackers, timeouts, FSDP2 policy
+                                 init_timeout_s=cfg.init_timeout_s)
     threads = cpu_threads.set_torch_threads(cfg.torch_threads)  # after Accelerate, which may set its own count
     validate(cfg, acc.num_processes)
     try:  # where and how model code runs (code_tool.py's sandbox modes)

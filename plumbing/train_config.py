@@ -130,6 +130,7 @@ class TrainConfig:
     report_to: str | None = None          # tensorboard | wandb (Accelerate trackers); stops if it cannot start
     process_group_timeout_s: float = accel.PROCESS_GROUP_TIMEOUT_S  # a collective's wait; sized in accel.py
     peer_timeout_s: float = accel.PEER_TIMEOUT_S  # a rank silent this long while others wait for it stops the run
+    init_timeout_s: float = accel.INIT_TIMEOUT_S  # every rank of a (re)started group joins within this
     torch_threads: int = 0                # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
 
 
@@ -150,7 +151,7 @@ RANGES = {
     "max_tokens_per_micro_batch": ">= 0",
     "log_every": ">= 1", "eval_every": ">= 0", "eval_samples": ">= 1", "eval_temperature": ">= 0",
     "eval_limit": ">= 0", "save_every": ">= 1", "save_rollouts_every": ">= 0", "keep_checkpoints": ">= 1", "torch_threads": ">= 0",
-    "process_group_timeout_s": "> 0", "peer_timeout_s": "> 0",
+    "process_group_timeout_s": "> 0", "peer_timeout_s": "> 0", "init_timeout_s": "> 0",
     "lora_rank": ">= 0", "lora_alpha": "> 0", "lora_dropout": ">= 0 and < 1",
 }
 
@@ -162,7 +163,8 @@ RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "dry_run", "world_si
                "gpu_memory_gb", "model_shape", "fsdp", "log_every", "report_to", "save_every", "save_rollouts_every",
                "keep_checkpoints",
                "torch_threads", "tool_workers", "tool_backend", "tool_require_isolation",
-               "vllm_gpu_memory_utilization", "process_group_timeout_s", "peer_timeout_s"}
+               "vllm_gpu_memory_utilization", "process_group_timeout_s", "peer_timeout_s",
+               "init_timeout_s"}
 
 
 def check_inputs(cfg: TrainConfig, tokenizer, fmt, problems: list[dict]) -> None:

@@ -14,7 +14,9 @@ not the largest rank's total.
   in counts at most one apart. Under `schedule=balanced` the rollouts go wherever the plan puts them (each part to
   the rank that already holds most of its tokens); under `static` each rank keeps its own, packed the same way, so
   the two differ only in where rollouts train. A rank with nothing for a slot runs a filler, a two-token sequence
-  built locally that trains nothing, so every rank joins every collective.
+  built locally that trains nothing, so every rank joins every collective. A mini-batch with no kept rollout has
+  no slots: the update takes no optimizer or scheduler step for it. Before anything moves, the ranks compare a
+  digest of the plan (`plan_digest`); one that differs stops every rank with one line naming it.
 - The exchange (`exchange`). Each kept rollout the plan moves goes from the rank that sampled it straight to the
   one that trains it, as tensors (point-to-point): its token ids, loss mask and sampler log-probs; its advantage
   and mini-batch every rank knows already. Dropped rollouts never move.
@@ -22,12 +24,14 @@ not the largest rank's total.
   the rest being padding, fillers and ranks waiting for a slot's slowest (docs/metrics.md, `perf/update_*`).
 """
 import bisect
+import hashlib
 import heapq
 import math
 from dataclasses import dataclass
 
 import torch
 
+from plumbing import accel
 from schedule import SCHEDULES, Score
 
 
@@ -210,15 +214,15 @@ def plan_update(tokens: list[int], owners: list[int], minibatch: list[int], upda
                 size: int, spread: bool, layout: str) -> list[list[list[MicroBatch]]]:
     """The micro-batch slots of every mini-batch: plan[u][s][r] = the MicroBatch (of indices into tokens, owners and
     minibatch) rank r trains in slot s of mini-batch u; one without rows is a filler. Every rank has the same number
-    of slots in a mini-batch, and mini-batch 0 at least one (a step whose groups were all dropped still steps
-    AdamW). tokens[i]: item i's prompt + response tokens; owners[i]: the rank that holds it; budget: tokens per
-    micro-batch (0: micro-batches of `size` items, padded); layout: `layout_for`. spread: items may move
+    of slots in a mini-batch; an empty mini-batch (no kept rollout on any rank) has none, and the update skips it
+    (train.update_policy). tokens[i]: item i's prompt + response tokens; owners[i]: the rank that holds it; budget:
+    tokens per micro-batch (0: micro-batches of `size` items, padded); layout: `layout_for`. spread: items may move
     (`balanced`); else each rank trains its own (`static`). A pure function: every rank computes the same plan."""
     plan = []
     for u in range(updates):
         items = [i for i, m in enumerate(minibatch) if m == u]
         if not items:
-            plan.append([[MicroBatch([], 0) for _ in range(world)]] if u == 0 else [])
+            plan.append([])
         elif layout == "rows":
             plan.append(row_plan(items, tokens, owners, world, budget, spread))
         else:
@@ -313,6 +317,27 @@ def exchange(accelerator, moves: list[tuple[int, int, int]], scores: dict, local
     return received
 
 
+def plan_digest(plan: list, kept: dict, order: list[int], measured: bool) -> int:
+    """A 63-bit digest of a step's update plan as this rank computed it: every slot's micro-batches (items, rows,
+    width), the kept rollouts' advantages and mini-batches, whether log-probs are trained on."""
+    text = repr(([[[(part.rows, part.width) for part in slot] for slot in slots] for slots in plan],
+                 [(s, kept[s]) for s in order], measured))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def check_same_plan(digests: list[int]) -> None:
+    """Every rank's plan digest (in rank order) is one, or SystemExit with one line naming the ranks that differ
+    from the most common one: a plan that differs between ranks is a hang or a wrong gradient."""
+    if len(set(digests)) <= 1:
+        return
+    common = max(set(digests), key=lambda d: (digests.count(d), -digests.index(d)))
+    odd = [r for r, d in enumerate(digests) if d != common]
+    raise SystemExit(f"update plan: rank{'s' * (len(odd) > 1)} {', '.join(map(str, odd))} computed another update "
+                     f"plan than rank{'s' * (len(digests) - len(odd) > 1)} "
+                     f"{', '.join(str(r) for r, d in enumerate(digests) if d == common)} (digests "
+                     f"{', '.join(f'{d:016x}' for d in digests)}); the ranks must run one code version and config")
+
+
 @dataclass
 class RankWork:
     """This rank's part of one step's update (phases 7-8); every rank's has the same shape."""
@@ -333,6 +358,8 @@ def update_work(accelerator, scores: list[Score], kept: dict, local: dict, updat
     plan = plan_update(tokens, owners, [kept[s][1] for s in order], updates, accelerator.num_processes, budget, size,
                        SCHEDULES[schedule][1], layout)
     measured = all(by_slot[s].has_logprobs for s in order)
+    digests = accel.all_gather_rows(accelerator, torch.tensor([[plan_digest(plan, kept, order, measured)]]))
+    check_same_plan([int(d) for d in torch.cat(digests).flatten()])
     moves = sorted((order[i], owners[i], r) for slots in plan for slot in slots for r, part in enumerate(slot)
                    for i in part.items() if owners[i] != r)
     rows = {**local, **exchange(accelerator, moves, by_slot, local, measured)}

@@ -6,9 +6,11 @@ copy never receives the weights (what the hand-off check must catch). Each rank 
 weight checksum) and sampler{R}.pt (the weights its sampler holds at the end); RECORD=1 records what each rank
 rolled out and trained on (`record_inputs`); WATCH_GRADS=1 records the whole gradients each rank holds after every
 backward (`watch_unsharded_grads`); COUNT_ALL_REDUCE=1 records how many all-reduces FSDP2 ran across replicas in every
-backward, and where each optimizer step fell (`count_replica_all_reduces`); FAULT=stop|kill:RANK:STEP makes a rank
-stop or die during a step's rollouts (`inject_fault`); LOGPROBS_RANKS=0,2 gives log-probs from those ranks' samplers
-only (all: every rank's; unset: none)."""
+backward, and where each optimizer step fell (`count_replica_all_reduces`); FAULT=stop|kill:RANK:STEP[:PHASE] makes a
+rank stop or die during a step's rollouts or another phase (`inject_fault`); SLOW=RANK:PHASE:SECONDS slows one;
+ALTER_PLAN=RANK alters one rank's update plan (`alter_plan`); EXIT_BEFORE_GROUP=RANK makes that rank exit once
+before the process group starts (its launcher restarts it alone); LOGPROBS_RANKS=0,2 gives log-probs from those
+ranks' samplers only (all: every rank's; unset: none)."""
 import json
 import os
 import signal
@@ -95,26 +97,67 @@ def count_replica_all_reduces(out: Path, rank: int) -> None:
 
 
 def inject_fault(spec: str, mark: Path) -> None:
-    """FAULT=stop|kill:RANK:STEP: rank RANK sends itself SIGSTOP or SIGKILL at its first claim of training step
-    STEP (from 0), once per run folder: it first writes `mark` ({"pid", "time"}), and a restarted worker that finds
-    the mark goes on. The rollout asks for work before its first engine step whether or not any is left, so the
-    fault lands in the step's rollouts even where the other ranks have claimed every rollout of it."""
+    """FAULT=stop|kill:RANK:STEP[:PHASE]: rank RANK sends itself SIGSTOP or SIGKILL at its first claim of training
+    step STEP (from 0), or as it enters PHASE of that step (accel.Peers.phase: "score gather", "update", "hand-off",
+    "checkpoint", ...), once per run folder: it first writes `mark` ({"pid", "time"}), and a restarted worker that
+    finds the mark goes on. The rollout asks for work before its first engine step whether or not any is left, so
+    the fault lands in the step's rollouts even where the other ranks have claimed every rollout of it.
+    SLOW=RANK:PHASE:SECONDS makes rank RANK spend that long (its main thread asleep) as it enters PHASE of every
+    step: a slow but live rank."""
     import schedule
-    kind, rank, step = spec.split(":")
+    kind, rank, step, *phase = spec.split(":")
     if int(os.environ.get("RANK", 0)) != int(rank):
         return
-    real_train_step, real_claim, now = train.train_step, schedule.Claims.__call__, [None]
+    real_train_step, real_claim, real_phase, now = train.train_step, schedule.Claims.__call__, accel.Peers.phase, [None]
+
+    def fault():
+        if now[0] == int(step) and not mark.exists():
+            mark.write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+            os.kill(os.getpid(), {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}[kind])
 
     def train_step(s, cfg, run):
         now[0] = s
         return real_train_step(s, cfg, run)
 
     def claim(self, running):
-        if now[0] == int(step) and not mark.exists():
-            mark.write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
-            os.kill(os.getpid(), {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}[kind])
+        if not phase:
+            fault()
         return real_claim(self, running)
-    train.train_step, schedule.Claims.__call__ = train_step, claim
+
+    def enter(self, what, where=None):
+        real_phase(self, what, where)
+        if phase and what == phase[0]:
+            fault()
+    train.train_step, schedule.Claims.__call__, accel.Peers.phase = train_step, claim, enter
+
+
+def slow_down(spec: str) -> None:
+    """SLOW=RANK:PHASE:SECONDS (see inject_fault)."""
+    rank, phase, seconds = spec.split(":")
+    if int(os.environ.get("RANK", 0)) != int(rank):
+        return
+    real_phase = accel.Peers.phase
+
+    def enter(self, what, where=None):
+        real_phase(self, what, where)
+        if what == phase:
+            time.sleep(float(seconds))
+    accel.Peers.phase = enter
+
+
+def alter_plan(rank: str) -> None:
+    """ALTER_PLAN=RANK: that rank's update plan gets one more filler slot in its first mini-batch than every other
+    rank's (a rank that computed another plan: without the digest check, a hang in the update's collectives)."""
+    if int(os.environ.get("RANK", 0)) != int(rank):
+        return
+    from plumbing import update_plan
+    real = update_plan.plan_update
+
+    def plan_update(tokens, owners, minibatch, updates, world, *args):
+        plan = real(tokens, owners, minibatch, updates, world, *args)
+        plan[0].append([update_plan.MicroBatch([], 0) for _ in range(world)])
+        return plan
+    update_plan.plan_update = plan_update
 
 
 def record_inputs(out: Path, rank: int) -> None:
@@ -164,6 +207,15 @@ if __name__ == "__main__":
     out_dir = Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1])
     if os.environ.get("FAULT"):
         inject_fault(os.environ["FAULT"], out_dir.parent / f"{out_dir.name}.fault")
+    if os.environ.get("EXIT_BEFORE_GROUP", "none") == os.environ.get("RANK", "0"):  # once per run folder, early
+        early = out_dir.parent / f"{out_dir.name}.early"
+        if not early.exists():
+            early.write_text(os.environ.get("TORCHELASTIC_RESTART_COUNT", ""))
+            os._exit(3)
+    if os.environ.get("ALTER_PLAN"):
+        alter_plan(os.environ["ALTER_PLAN"])
+    if os.environ.get("SLOW"):
+        slow_down(os.environ["SLOW"])
     with_logprobs = os.environ.get("LOGPROBS_RANKS", "")
 
     def make(cfg, model, tokenizer):

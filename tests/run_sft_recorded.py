@@ -5,7 +5,8 @@ micro-batch trained and, under FSDP2, what each backward left on the rank. Write
 holding a gradient of the whole unsharded parameter: FSDPParam.unsharded_accumulated_grad, which FSDP2 keeps in the
 reduce dtype while gradient sync is off, or the unsharded parameter's own .grad), `grads` (parameters whose .grad
 is set) and `sharded_grads` (those whose .grad is a DTensor holding less than the whole parameter on this rank).
-Under `accelerate launch`, CPU_FSDP=1 lets Accelerate's FSDP run on CPU processes (tests/cpu_fsdp.py)."""
+Under `accelerate launch`, CPU_FSDP=1 lets Accelerate's FSDP run on CPU processes (tests/cpu_fsdp.py);
+FAULT=RANK:STEP:PHASE stops a rank in a phase of a step (`stop_in`)."""
 import json
 import os
 import sys
@@ -75,7 +76,25 @@ def recorded_backward(self, loss, **kwargs):
         record["backward"].append(grad_state(model))
 
 
+def stop_in(spec: str, mark: Path) -> None:
+    """FAULT=RANK:STEP:PHASE: rank RANK stops itself (SIGSTOP) as it enters PHASE of optimizer step STEP (from 1;
+    accel.Peers.phase), after writing its pid to `mark`."""
+    import signal
+    rank, step, phase = spec.split(":")
+    real = accel.Peers.phase
+
+    def enter(self, what, where=None):
+        real(self, what, where)
+        if os.environ.get("RANK") == rank and (what, where) == (phase, f"step {step}"):
+            mark.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+    accel.Peers.phase = enter
+
+
 if __name__ == "__main__":
+    if os.environ.get("FAULT"):
+        stop_in(os.environ["FAULT"], Path(next(a for a in sys.argv[1:] if a.startswith("out_dir=")).split("=", 1)[1]
+                                           + ".fault"))
     sft.masked_lm_loss, Accelerator.prepare, Accelerator.backward = recorded_loss, recorded_prepare, recorded_backward
     cfg = parse_cli(sft.SFTConfig, sys.argv[1:])
 

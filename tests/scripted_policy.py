@@ -5,10 +5,10 @@ mixed rewards; a randomly initialised tiny model never answers correctly, so eve
 nothing would be tested. This sampler writes the turns itself (correct for some rollouts of a group, wrong for the
 others, some through a real tool call) while the trainer computes log-probs and gradients on the real model.
 
-Problems are "Say N." with answer N. Rollout k of a problem (its slot in the step, read from the seed train.py
-gives each rollout, schedule.rollout_seed; without one the k-th copy in one generate call) answers correctly when
-k is even, with a pattern of period 4, so a rollout behaves the same whichever rank plays it (or, with use_rng,
-when the global torch RNG says so: that makes resume tests check RNG restoring).
+Problems are "Say N." with answer N. Rollout k of a problem (its slot in the step, looked up from the seed train.py
+gives each rollout, schedule.rollout_seed, as it is drawn; without one the k-th copy in one generate call) answers
+correctly when k is even, with a pattern of period 4, so a rollout behaves the same whichever rank plays it (or,
+with use_rng, when the global torch RNG says so: that makes resume tests check RNG restoring).
 
 The sampler keeps its own copy of the model, as an engine does: `update_weights` copies the trainer's weights in
 (or skips them with skip_updates=True, a stale engine), and `score` answers from that copy, so train.py's hand-off
@@ -20,10 +20,24 @@ import re
 
 import torch
 
+import schedule
 from samplers.hf import load_named_weights
 from protocol import IM_END, format_tool_call
 from plumbing.handoff import sequence_logprobs
 from samplers.interface import Completion, TurnSampler
+
+
+SLOT_OF_SEED = {}  # rollout seed -> the rollout's slot in its step, as schedule.rollout_seed hands them out
+_rollout_seed = schedule.rollout_seed
+
+
+def _recorded_rollout_seed(seed: int, step: int, slot: int, turn: int) -> int:
+    out = _rollout_seed(seed, step, slot, turn)
+    SLOT_OF_SEED[out] = slot
+    return out
+
+
+schedule.rollout_seed = _recorded_rollout_seed
 
 
 def say_problems(n: int, start: int = 1) -> list[dict]:
@@ -58,7 +72,7 @@ class ScriptedSampler(TurnSampler):
             key = re.findall(r"Say (\d+)\.", text)[0]
             copy = seen[key] = seen.get(key, -1) + 1
             if seed is not None:  # a seeded rollout: its index in the step (schedule.rollout_seed), whoever plays it
-                copy = seed // 64 % 2**15
+                copy = SLOT_OF_SEED[seed]
             turn = self.tok.encode(self._turn(text, copy), add_special_tokens=False) + [self.im_end]
             logprobs = None if self.logprob_shift is None else self._logprobs(ids, turn[:budget], temperature)
             out.append(Completion(turn[:budget], logprobs, len(turn) <= budget))

@@ -99,13 +99,16 @@ def captured(monkeypatch) -> dict:
 def test_train_and_sft_build_their_accelerator_with_the_config_s_fields(monkeypatch):
     seen = captured(monkeypatch)
     with pytest.raises(SystemExit, match="captured"):
-        train.main(["configs/tiny/stage1.yaml", "process_group_timeout_s=123", "mixed_precision=bf16"])
-    assert seen == {"mixed_precision": "bf16", "report_to": None, "out_dir": "runs/tiny/stage1", "timeout_s": 123.0}
+        train.main(["configs/tiny/stage1.yaml", "process_group_timeout_s=123", "mixed_precision=bf16",
+                    "init_timeout_s=45"])
+    assert seen == {"mixed_precision": "bf16", "report_to": None, "out_dir": "runs/tiny/stage1", "timeout_s": 123.0,
+                    "init_timeout_s": 45.0}
     assert train.TrainConfig().process_group_timeout_s == sft.SFTConfig().process_group_timeout_s == 1800
     seen.clear()
     with pytest.raises(SystemExit, match="captured"):
         sft.make_accelerator(sft.SFTConfig(process_group_timeout_s=45.0, report_to="tensorboard", out_dir="o"))
-    assert seen == {"mixed_precision": "no", "report_to": "tensorboard", "out_dir": "o", "timeout_s": 45.0}
+    assert seen == {"mixed_precision": "no", "report_to": "tensorboard", "out_dir": "o", "timeout_s": 45.0,
+                    "init_timeout_s": 600}
 
 
 @pytest.fixture

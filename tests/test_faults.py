@@ -61,15 +61,13 @@ def reap(pid: int) -> None:
         pass
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_stopped_rank_stops_the_others_with_one_line_naming_it(data, world):
-    """The survivors' lines are read as they come; once every one has spoken, the stopped rank (which no SIGTERM
-    reaches: torchrun would wait 30 s for it before its SIGKILL) is killed, so the launch ends at once."""
-    out = data / f"stopped{world}"
-    silent = world - 1
-    line = f"train: step 2, rollouts: rank {silent} made no progress for {PEER_TIMEOUT_S} s"
+def stopped_run(data: Path, out: Path, world: int, silent: int, fault: str, line: str, logged: int = 1) -> None:
+    """Launch `world` ranks with FAULT=`fault` and check that every survivor says `line` once, within
+    PEER_TIMEOUT_S + 60 s of the fault, and the launch ends non-zero with `logged` steps logged. The survivors' lines
+    are read as they come; once every one has spoken, the stopped rank (which no SIGTERM reaches: torchrun would
+    wait 30 s for it before its SIGKILL) is killed, so the launch ends at once."""
     launch = subprocess.Popen(torchrun(world, "--master_port", str(free_port())) + [str(SCRIPT)] + args(data, out),
-                              env={**ENV, "FAULT": f"stop:{silent}:1"}, cwd=ROOT, stdout=subprocess.DEVNULL,
+                              env={**ENV, "FAULT": fault}, cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     said, tail = [], []
     for text in launch.stderr:
@@ -84,7 +82,41 @@ def test_a_stopped_rank_stops_the_others_with_one_line_naming_it(data, world):
     assert launch.wait(timeout=120) != 0
     assert len(said) == world - 1 and line not in rest, "".join(tail) + rest[-3000:]  # each survivor says it, once
     assert seconds <= PEER_TIMEOUT_S + 60, seconds
-    assert len(metrics(out)) == 1  # step 1 was logged and saved; step 2 never finished
+    assert len(metrics(out)) == logged  # step 1 was logged and saved; step 2 never finished (or was not saved)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_stopped_rank_stops_the_others_with_one_line_naming_it(data, world):
+    silent = world - 1
+    stopped_run(data, data / f"stopped{world}", world, silent, f"stop:{silent}:1",
+                f"train: step 2, rollouts: rank {silent} made no progress for {PEER_TIMEOUT_S} s")
+
+
+# (ranks, the stopped rank, the phase of step 2 it stops in): every phase of a step outside the rollouts' wait,
+# where the others block in a collective, rank 0 (whose agent, not it, holds the store) among the stopped ones.
+STALLS = [(2, 0, "score gather"), (3, 1, "update"), (2, 1, "hand-off"), (3, 0, "checkpoint"), (3, 0, "rollouts")]
+
+
+@pytest.mark.parametrize("world,silent,phase", STALLS, ids=[f"{w}ranks-rank{r}-{p}" for w, r, p in STALLS])
+def test_a_stall_in_any_phase_is_named_by_the_watchdog(data, world, silent, phase):
+    """A rank stopped (SIGSTOP) as it enters a phase of step 2: every other rank's watchdog thread (its main thread
+    is blocked in the phase's collective) names it and the phase in one line and ends its process."""
+    stopped_run(data, data / f"stall{world}_{silent}_{phase.replace(' ', '_')}", world, silent,
+                f"stop:{silent}:1:{phase}",
+                f"train: step 2, {phase}: rank {silent} made no progress for {PEER_TIMEOUT_S} s",
+                logged=2 if phase == "checkpoint" else 1)  # a step is logged before its checkpoint
+
+
+def test_a_slow_but_live_rank_is_not_stopped_by_the_watchdog(data):
+    """Rank 0's main thread spends 2.5 x peer_timeout_s as it enters every checkpoint (a long write), while rank 1
+    waits in the checkpoint's barrier: the run ends normally, with every step logged."""
+    out = data / "slow"
+    done = subprocess.run(torchrun(2, "--master_port", str(free_port())) + [str(SCRIPT)] + args(data, out, steps=2),
+                          env={**ENV, "SLOW": f"0:checkpoint:{2.5 * PEER_TIMEOUT_S}"}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "made no progress" not in done.stderr
+    assert [r["step"] for r in metrics(out)] == [1, 2]
 
 
 def test_a_killed_rank_on_another_node_stops_this_one(data):
@@ -159,3 +191,39 @@ def test_a_rank_with_only_fillers_measures_the_gap_with_the_others(data):
     saved = [json.loads(x) for x in (out / "rollouts" / "step_000002.jsonl").read_text().splitlines()]
     assert [(r["problem_index"], r["sample"]) for r in saved] == [(g, i) for g in range(3) for i in range(4)]
     assert sum(r["kept"] for r in saved) == 6  # every rank's rollouts, in one file: RoC kept 2 of each group
+
+
+def test_a_rank_with_another_update_plan_stops_every_rank_naming_it(data):
+    """Rank 1 of 3 computes another update plan (one filler slot more): the plans' digests are compared before the
+    update, and the ranks stop with one line naming rank 1, instead of hanging in the update's collectives."""
+    done = subprocess.run(torchrun(3, "--master_port", str(free_port())) + [str(SCRIPT)]
+                          + args(data, data / "altered", steps=1), env={**ENV, "ALTER_PLAN": "1"}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "update plan: rank 1 computed another update plan than ranks 0, 2" in done.stderr, done.stderr[-3000:]
+    assert "made no progress" not in done.stderr
+
+
+def test_two_nodes_whose_restart_counts_differ_meet_on_one_attempt(data):
+    """Two torchrun agents, one process each: node 1's worker exits before the group starts and its agent restarts
+    it alone (TORCHELASTIC_RESTART_COUNT 1 there, 0 on node 0). The ranks agree on the attempt through the store,
+    meet, and the run ends normally; a launch whose node 1 does not restart stops with one line naming rank 1
+    within init_timeout_s."""
+    out, port = data / "restart_counts", str(free_port())
+    node = lambda rank, restarts, out, init: subprocess.Popen(  # noqa: E731
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank),
+         "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port, "--max_restarts",
+         str(restarts), str(SCRIPT)] + args(data, out, steps=1, extra=[f"init_timeout_s={init}"]),
+        env={**ENV, "EXIT_BEFORE_GROUP": "1"}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first, second = node(0, 0, out, 240), node(1, 1, out, 240)
+    _, err0 = first.communicate(timeout=600)
+    _, err1 = second.communicate(timeout=120)
+    assert (out.parent / "restart_counts.early").read_text() == "0"  # node 1's first worker left, and came back
+    assert first.returncode == 0 and second.returncode == 0, err0[-2000:] + err1[-2000:]
+    assert [r["step"] for r in metrics(out)] == [1]
+    out, port = data / "no_restart", str(free_port())
+    first, second = node(0, 0, out, 20), node(1, 0, out, 20)
+    _, err0 = first.communicate(timeout=300)
+    second.communicate(timeout=120)
+    assert first.returncode != 0
+    assert "process group: attempt 1: rank(s) 1 did not join within 20 s" in err0, err0[-3000:]

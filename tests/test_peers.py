@@ -96,3 +96,86 @@ def test_metric_names_must_agree_over_ranks():
         check_same_names([["a"], ["a", "mismatch/kl"], ["a"]])
     with pytest.raises(SystemExit, match="another order"):
         check_same_names([["a", "b"], ["b", "a"]])
+
+
+def watched(world: int, timeout_s: float, silent: int, atexit_calls: list) -> tuple[list[Peers], dict]:
+    """`world` ranks on one HashStore, every rank but `silent` watching (its stop records the line and parks the
+    thread instead of ending the process); the silent rank entered step 3's update and then stopped beating."""
+    import atexit
+    peers, said = ranks(world, timeout_s), {}
+    for p in peers:
+        p.start(2)
+        p.phase("update")
+
+        def stop(line, abort, p=p):
+            said[p.rank] = line
+            threading.Event().wait()  # the thread stays, silent, as the process would be gone
+        p.stop = stop
+    real = atexit.register
+    atexit.register = atexit_calls.append  # the test calls a rank's close itself
+    try:
+        for p in peers:
+            if p.rank != silent:
+                p.watch()
+    finally:
+        atexit.register = real
+    return peers, said
+
+
+@pytest.mark.parametrize("world,silent", [(2, 0), (3, 1)])
+def test_the_watchdog_names_a_silent_rank_and_its_phase_on_every_live_rank(world, silent):
+    _, said = watched(world, 0.5, silent, [])
+    time.sleep(2.0)
+    assert sorted(said) == [r for r in range(world) if r != silent]
+    for line in said.values():
+        assert line.startswith(f"t: step 3, update: rank {silent} made no progress for 0.5 s"), line
+
+
+def test_the_watchdog_does_not_name_a_rank_that_ended_and_stops_at_once_for_one_that_failed():
+    from plumbing import accel
+    closes = []
+    peers, said = watched(3, 0.5, 2, closes)
+    peers[2].watched.set(peers[2].watch_key("gone/2"), "done")  # rank 2 ended normally
+    time.sleep(1.5)
+    assert said == {}
+    accel.FAILED.set()
+    try:
+        closes[1]()  # rank 1 ends with an error: rank 0 stops at once, naming it
+    finally:
+        accel.FAILED.clear()
+    time.sleep(0.5)
+    assert list(said) == [0] and said[0].startswith("t: rank 1 ended with an error (its own lines say which), last "
+                                                    "seen in step 3, update; rank 0 stops"), said
+
+
+def agree(store, starts: list[tuple[int, float, float]]) -> dict:
+    """accel.agree_attempt for (rank, start delay, wait) on threads sharing `store` (2 ranks): rank -> the attempt,
+    or its one line."""
+    from plumbing.accel import agree_attempt
+    out = {}
+
+    def go(rank, delay, wait):
+        time.sleep(delay)
+        try:
+            out[rank] = agree_attempt(store, rank, 2, wait, 0.02)
+        except SystemExit as e:
+            out[rank] = str(e)
+    threads = [threading.Thread(target=go, args=start) for start in starts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_ranks_agree_on_the_restart_attempt_through_the_store_not_their_own_counts():
+    store = torch.distributed.HashStore()
+    assert agree(store, [(0, 0.0, 2.0), (1, 0.3, 2.0)]) == {0: 1, 1: 1}  # the first start
+    assert agree(store, [(1, 0.0, 2.0), (0, 0.3, 2.0)]) == {0: 2, 1: 2}  # both restarted, rank 1 first
+    store.add("rstar2/attempt", 1)  # rank 0 started attempt 3 and died before rank 1 came; it starts again
+    assert agree(store, [(1, 0.0, 2.0), (0, 0.3, 2.0)]) == {0: 4, 1: 4}
+    said = agree(store, [(1, 0.0, 0.3)])  # rank 1 restarted alone: rank 0 never starts a new attempt
+    assert said[1].startswith("process group: rank 1 restarted, and rank 0 started no new attempt of the group "
+                              "within 0.3 s")
+    said = agree(store, [(0, 0.0, 0.3)])  # rank 0 restarted alone
+    assert said[0].startswith("process group: attempt 5: rank(s) 1 did not join within 0.3 s")

@@ -86,7 +86,44 @@ def test_a_rollouts_seed_depends_on_its_place_in_the_step_not_on_who_draws_it():
     assert (a.slots, b.slots) == ([0, 2], [1, 3])
     assert a.seed(1, 0) == rollout_seed(7, 3, 2, 0) and b.seed(0, 2) == rollout_seed(7, 3, 1, 2)
     seeds = {rollout_seed(7, st, sl, t) for st in range(3) for sl in range(64) for t in range(4)}
-    assert len(seeds) == 3 * 64 * 4 and max(seeds) < 2**31  # distinct over steps, slots and turns
+    assert len(seeds) == 3 * 64 * 4 and max(seeds) < 2**62  # distinct over steps, slots and turns
+
+
+@pytest.mark.parametrize("recipe", ["qwen3-14b", "tiny"])
+def test_no_two_rollouts_of_a_three_stage_recipe_share_a_seed(recipe):
+    """The recipe's three stages have seeds of their own, and every (seed, step, slot, turn) of the recipe fits
+    rollout_seed's fields, where it is a bijection: no two turns of the recipe share a seed. Counted: every turn of
+    every rollout for tiny; for qwen3-14b (8.6M rollouts, up to 15 turns) the first turn of every rollout of each
+    stage's first, second and last step, and every turn of 1,024 of their slots."""
+    from plumbing.config import load_config
+    from plumbing.train_config import TrainConfig
+    from schedule import SEED_FIELDS, rollout_seed
+    stages = [load_config(TrainConfig, [f"configs/{recipe}/stage{k}.yaml"]) for k in (1, 2, 3)]
+    assert len({c.seed % 2**SEED_FIELDS["seed"] for c in stages}) == 3, [c.seed for c in stages]
+    for c in stages:
+        assert c.steps <= 2**SEED_FIELDS["step"] and c.max_turns <= 2**SEED_FIELDS["turn"]
+        assert c.prompts_per_step * c.rollouts_per_prompt <= 2**SEED_FIELDS["slot"]
+    seen, n = set(), 0
+    for c in stages:
+        slots = c.prompts_per_step * c.rollouts_per_prompt
+        steps = {0, 1, c.steps - 1} if recipe == "qwen3-14b" else range(c.steps)
+        for step in steps:
+            every_turn = slots if recipe == "tiny" else 1024
+            seen.update(rollout_seed(c.seed, step, slot, t) for slot in range(slots)
+                        for t in range(c.max_turns if slot < every_turn else 1))
+            n += every_turn * c.max_turns + slots - every_turn
+    assert len(seen) == n
+    assert rollout_seed(0, 0, 0, 0) != rollout_seed(1, 0, 0, 0) != 0  # the stage's seed changes every seed
+
+
+def test_rollout_seeds_look_random():
+    """A real hash, not a counter: consecutive slots' seeds differ in about half their 62 bits, and the top bits
+    are used."""
+    from schedule import rollout_seed
+    seeds = [rollout_seed(0, 5, slot, 0) for slot in range(1000)]
+    flips = [bin(a ^ b).count("1") for a, b in zip(seeds, seeds[1:])]
+    assert 26 < sum(flips) / len(flips) < 36, sum(flips) / len(flips)
+    assert max(seeds) >= 2**61 and min(seeds) < 2**58
 
 
 def mb(rows, width):
@@ -144,9 +181,9 @@ def test_padded_micro_batches_count_their_padding():
 
 
 @pytest.mark.parametrize("layout", ["one_row", "rows"])
-def test_a_mini_batch_without_rollouts_has_no_slots_except_the_first(layout):
+def test_an_empty_mini_batch_has_no_slots_the_first_as_the_others(layout):
     plan = plan_update([7], [1], [1], 3, 2, 50, 0, True, layout)
-    assert plan[0] == [[mb([], 0), mb([], 0)]]  # the first optimizer step still runs (fillers on every rank)
+    assert plan[0] == []  # no fillers: the update skips it (tests/test_empty_minibatch.py)
     assert [[p.items() for p in slot] for slot in plan[1]] == [[[], [0]]] and plan[2] == []
 
 
@@ -164,7 +201,7 @@ def test_every_plan_trains_each_rollout_once_in_equal_slot_counts(spread, layout
         assert plan == plan_update(tokens, owners, minibatch, updates, world, budget, size, spread, layout)  # pure
         placed = sorted(i for slots in plan for slot in slots for part in slot for i in part.items())
         assert placed == list(range(n))
-        assert len(plan) == updates and len(plan[0]) >= 1
+        assert len(plan) == updates
         for u, slots in enumerate(plan):
             assert all(len(slot) == world for slot in slots)
             for slot in slots:
@@ -292,3 +329,18 @@ def test_free_kv_claims_in_a_rollout_follow_the_engine_and_give_the_same_traject
             assert (0, 1) in seen and (1, 1) in seen
     assert [t.problem for t in out["free_kv"]] == [f"problem {i}" for i in range(6)]
     assert [t.response_ids for t in out["free_kv"]] == [t.response_ids for t in out["count"]]
+def test_the_update_plan_digest_names_the_ranks_that_differ():
+    from plumbing.update_plan import MicroBatch, check_same_plan, plan_digest
+    plan = plan_update([10, 20, 30], [0, 1, 0], [0, 0, 0], 1, 2, 40, 0, True, "one_row")
+    kept = {0: (1.0, 0), 1: (-1.0, 0), 2: (0.5, 0)}
+    same = plan_digest(plan, kept, [0, 1, 2], False)
+    assert plan_digest(plan_update([10, 20, 30], [0, 1, 0], [0, 0, 0], 1, 2, 40, 0, True, "one_row"), kept,
+                       [0, 1, 2], False) == same
+    check_same_plan([same, same, same])
+    altered = plan_digest(plan + [[[MicroBatch([], 0)] * 2]], kept, [0, 1, 2], False)
+    other_adv = plan_digest(plan, {**kept, 2: (0.25, 0)}, [0, 1, 2], False)
+    assert len({same, altered, other_adv, plan_digest(plan, kept, [0, 1, 2], True)}) == 4
+    with pytest.raises(SystemExit, match=r"^update plan: rank 1 computed another update plan than ranks 0, 2 "):
+        check_same_plan([same, altered, same])
+    with pytest.raises(SystemExit, match=r"^update plan: ranks 0, 3 computed another update plan than ranks 1, 2 "):
+        check_same_plan([altered, same, same, other_adv])

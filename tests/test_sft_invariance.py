@@ -232,3 +232,32 @@ def test_a_checkpoint_with_a_per_rank_data_position_is_refused_in_one_line(tiny,
                                          r"over in another out_dir$"):
         train(SFTConfig(model_path=str(base), data=str(data), out_dir=str(tmp_path / "run")))
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-2", "latest"]  # nothing touched
+
+
+def test_a_stalled_sft_rank_is_named_by_the_watchdog(tiny, tmp_path):
+    """Two DDP ranks, peer_timeout_s=5: rank 1 stops (SIGSTOP) as it enters step 2's micro-batches; rank 0, blocked
+    in the step's gradient all-reduce, names it in one line within 65 s and the launch ends non-zero."""
+    import signal
+    import time
+    out = tmp_path / "stalled"
+    launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", str(free_port()), RUNNER] + sft_args(tiny, out) + ["peer_timeout_s=5"],
+                              cwd=ROOT, env={**ENV, "FAULT": "1:2:train"}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    line, said, tail = "sft: step 2, train: rank 1 made no progress for 5 s", None, []
+    for text in launch.stderr:
+        tail = (tail + [text])[-30:]
+        if line in text:
+            said = time.time()
+            break
+    mark = Path(f"{out}.fault")
+    stopped_at = mark.stat().st_mtime if mark.exists() else time.time()
+    if mark.exists():
+        try:
+            os.kill(int(mark.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    launch.stderr.read()
+    assert launch.wait(timeout=120) != 0
+    assert said is not None, "".join(tail)
+    assert said - stopped_at <= 65, said - stopped_at
