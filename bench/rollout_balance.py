@@ -4,7 +4,7 @@ rollouts (claim_size 1), side by side in one run, on a step whose prompts are sk
 --rules, the two claim rules instead (claim_rule count against free_kv, single rollouts).
 
     .venv/bin/python bench/rollout_balance.py [--steps 6 --prompts 12 --rollouts 8 --slots 4 --long 288 --short 24]
-    .venv/bin/python bench/rollout_balance.py --rules --worlds 2   # claim_rule count against free_kv
+    .venv/bin/python bench/rollout_balance.py --rules --worlds 2   # claim_rule count against free_kv, ABBA
 
 By default a prompt has more rollouts than an engine runs at once (8 against 4), as at the report's scale (2G = 32
 rollouts a prompt against 24 a 14B engine runs, configs/qwen3-14b): a long prompt claimed whole then decodes in
@@ -86,10 +86,12 @@ SETTINGS = {"static": ("static", None, "count"), "prompts": ("balanced", None, "
 RULES = {"count": ("balanced", 1, "count"), "free_kv": ("balanced", 1, "free_kv")}
 
 
-def run(root: Path, world: int, name: str, args) -> dict:
+def run(root: Path, world: int, name: str, args, tag: str = "") -> dict:
+    """One setting's run of train.py on `world` processes in its own out_dir (a run in an old one would resume):
+    the mean of each column over the steps after the first."""
     schedule, claim_size, rule = {**SETTINGS, **RULES}[name]
     claim_size = claim_size or args.rollouts
-    out = root / f"{name}{world}"
+    out = root / f"{name}{world}{tag}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
            str(free_port()), str(Path(__file__).resolve()), "--worker", "--long", str(args.long), "--short",
            str(args.short), "--", "configs/tiny/stage1.yaml", f"model_path={root / 'base'}",
@@ -118,6 +120,8 @@ def main(argv=None) -> None:
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 3])
     p.add_argument("--rules", action="store_true", help="the claim rules instead: count (< --slots unfinished) "
                    "against free_kv (the engine has a free slot), single-rollout claims")
+    p.add_argument("--rounds", type=int, default=2, help="--rules: runs of each rule, in ABBA order (ABBA...), "
+                   "averaged: a run that follows another runs slower on a VM, whichever rule it is")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
     if args.worker:
@@ -148,16 +152,36 @@ def main(argv=None) -> None:
                   f"{wait['pairs'] / max(wait['static'], 1e-9):.2f} and {wait['pairs'] / max(wait['prompts'], 1e-9):.2f}")
 
 
+def abba(names: list[str], rounds: int) -> list[str]:
+    """The order of `rounds` runs of each name, every other round reversed (A B B A A B ...): a drift over the
+    runs (a VM that slows as it stays busy, a cache that warms) falls on every name alike, which running all of
+    A's then all of B's, or A before B each time, would charge to one of them."""
+    return [name for r in range(rounds) for name in (names if r % 2 == 0 else names[::-1])]
+
+
+def mean_runs(runs: list[dict]) -> dict:
+    """Each metric's mean over the runs of one setting."""
+    return {key: sum(r[key] for r in runs) / len(runs) for key in runs[0]}
+
+
 def compare_rules(root: Path, args) -> None:
-    """The count rule against free_kv on the same steps, single-rollout claims: the rollout phase's seconds (the
-    slowest rank's), the share of it the ranks spent idle waiting for the slowest, and on 2 processes each rank's
-    idle share (the other rank's time is 2 x the mean less the slowest's)."""
+    """The count rule against free_kv on the same steps, single-rollout claims, --rounds runs of each in ABBA
+    order, averaged: the rollout phase's seconds (the slowest rank's), the share of it the ranks spent idle waiting
+    for the slowest, and on 2 processes each rank's idle share (the other rank's time is 2 x the mean less the
+    slowest's). The two rules do the same work here (on the hf sampler with one turn per rollout a rank's unfinished
+    rollouts are its engine's requests): which one ran first decided the ratio when each ran once, count first."""
     print("claim rules: count = claim while fewer than --slots rollouts are unfinished; free_kv = while the engine "
           "(samplers/hf.py) has a free slot")
+    print(f"{args.rounds} runs of each rule in ABBA order, averaged")
     print(f"{'processes':>9} {'claim rule':>10} {'rollout s':>10} {'mean idle':>10} {'each rank idle':>16} "
           f"{'step s':>8}")
     for world in args.worlds:
-        results = {name: run(root, world, name, args) for name in RULES}
+        runs = {name: [] for name in RULES}
+        for name in abba(list(RULES), args.rounds):
+            runs[name].append(run(root, world, name, args, tag=f"-{len(runs[name])}"))
+        print(f"{world:>9} {'runs':>10} " + "  ".join(f"{name} " + " / ".join(f"{r['perf/rollout_max_s']:.2f}"
+              for r in rs) for name, rs in runs.items()) + f"  (rollout s, order {' '.join(abba(list(RULES), args.rounds))})")
+        results = {name: mean_runs(rs) for name, rs in runs.items()}
         for name, r in results.items():
             slowest, mean = r["perf/rollout_max_s"], r["perf/rollout_s"]
             each = f"0.0% / {(2 * slowest - 2 * mean) / slowest:.1%}" if world == 2 and slowest > 0 else "-"

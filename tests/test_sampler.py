@@ -681,3 +681,39 @@ def test_free_kv_room_of_the_hf_sampler_is_its_free_slots_less_the_queue(tiny):
     while sampler.has_work():
         sampler.step()
     assert sampler.kv_room() == 3
+
+
+def test_free_kv_and_count_claim_alike_on_the_hf_sampler_with_one_turn(tiny):
+    """Two ranks on one store, each an HFSampler of 3 slots, single-rollout claims, half the prompts decoding 9
+    tokens and half 2 (bench/rollout_balance.py --rules in small): with one turn per rollout a rank's unfinished
+    rollouts are its engine's requests, so free_kv (a free slot) and count (< 3 unfinished) claim the same slots at
+    the same moments, and the engines decode the same rows at every step. (The bench's gap between the two rules
+    came from which one ran first.)"""
+    from schedule import CLAIM_RULES, store_claims
+    _, tok, model = tiny
+    prompts = prompts_of(tok, [f"problem {i}" for i in range(4)])
+    budgets = [9 if i % 2 else 2 for i in range(4)]
+
+    def play(rule: str):
+        store, log = torch.distributed.HashStore(), []
+        samplers = [HFSampler(model, tok, batch_size=3, stop_ids=[]) for _ in range(2)]
+        claims = [store_claims(store, "k", 16, 1, 3, CLAIM_RULES[rule](s, 3)) for s in samplers]
+        running = [0, 0]
+        for _ in range(40):
+            for rank, sampler in enumerate(samplers):
+                running[rank] -= len(sampler.step()) if sampler.has_work() else 0
+                taken = []  # rollout()'s claim(): asked again after what it gave, until it gives nothing
+                while got := claims[rank](running[rank]):
+                    for slot in got:
+                        sampler.add(slot, prompts[slot // 4], budgets[slot // 4], seed=slot)
+                    running[rank] += len(got)
+                    taken += got
+                log.append((rank, taken, len(sampler.live)))  # the slots claimed after this step, its rows
+        assert not any(s.has_work() for s in samplers)
+        return log
+
+    free_kv, count = play("free_kv"), play("count")
+    assert free_kv == count
+    assert sorted(s for _, taken, _ in count for s in taken) == list(range(16))
+    assert {rows for _, _, rows in count} >= {1, 2, 3}  # slots fill and empty as rollouts end
+    assert any(len(taken) == 1 for _, taken, _ in count)  # a slot claimed as one rollout ends, beside others

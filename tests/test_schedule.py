@@ -344,3 +344,20 @@ def test_the_update_plan_digest_names_the_ranks_that_differ():
         check_same_plan([same, altered, same])
     with pytest.raises(SystemExit, match=r"^update plan: ranks 0, 3 computed another update plan than ranks 1, 2 "):
         check_same_plan([altered, same, same, other_adv])
+
+
+def test_free_kv_against_count_in_the_bench_runs_in_abba_order_and_averages_each_rule():
+    """bench/rollout_balance.py --rules: each rule runs --rounds times, every other round reversed, so a machine
+    that slows from one run to the next slows both rules alike; each rule's metrics are its runs' mean."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import rollout_balance as rb
+    assert rb.abba(["count", "free_kv"], 2) == ["count", "free_kv", "free_kv", "count"]
+    assert rb.abba(["count", "free_kv"], 3) == ["count", "free_kv", "free_kv", "count", "count", "free_kv"]
+    assert rb.abba(["count", "free_kv"], 1) == ["count", "free_kv"]
+    # a drift of +1 s per run charges count and free_kv alike in ABBA order: 0 + 3 against 1 + 2
+    drift = {}
+    for i, name in enumerate(rb.abba(["count", "free_kv"], 2)):
+        drift.setdefault(name, []).append({"perf/rollout_max_s": 6.0 + i})
+    assert rb.mean_runs(drift["count"]) == rb.mean_runs(drift["free_kv"]) == {"perf/rollout_max_s": 7.5}
