@@ -78,8 +78,8 @@ from plumbing.config import check_ranges, format_config, parse_cli, save_config
 from plumbing.data import check_model_path, load_pretrained, load_problems, write_jsonl
 from protocol import DEFAULT_USER_INSTRUCTION, IM_END, TOOL_NAME, chat_format_of, parse_tool_call
 from tools.report import write_report
-from reward import check_many, default_pool, extract_answer, is_equivalent
-from rollout import rollout
+from reward import default_pool, extract_answer, is_equivalent, score_trajectories
+from rollout import rollout, trajectory_record
 
 # Benchmark names -> the copies shipped in data/ (sources, licences and checks: data/SOURCES.md).
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -284,10 +284,7 @@ def roll_and_score(problems: list[dict], sampler, tool, tokenizer, fmt, samples:
                          temperature=temperature, top_p=top_p, sync_turns=sync_turns,
                          progress=progress and step == len(texts), more=more)
     # r = 1 if the last boxed answer of the model's own text is equivalent to the gold answer (reward.py, sec. 3)
-    verdicts = check_many([extract_answer(t.text) for t in trajs], [problems[i // samples]["answer"]
-                                                                    for i in range(len(trajs))])
-    for traj, verdict in zip(trajs, verdicts):
-        traj.reward = 1.0 if verdict.correct else 0.0
+    verdicts = score_trajectories(trajs, [problems[i // samples]["answer"] for i in range(len(trajs))])
     return trajs, sum(v.timed_out for v in verdicts)
 
 
@@ -296,21 +293,6 @@ def _bar(iterable, enabled: bool, desc: str):
         return iterable
     from tqdm import tqdm
     return tqdm(iterable, desc=desc)
-
-
-def trajectory_record(benchmark: str, problem: dict, problem_index: int, sample: int, traj) -> dict:
-    """One line of trajectories.jsonl: everything needed to read the rollout, without token ids."""
-    return {
-        "benchmark": benchmark, "problem_index": problem_index, "sample": sample, "id": problem.get("id"),
-        "problem": problem["problem"], "answer": problem["answer"], "pred": extract_answer(traj.text),
-        "reward": traj.reward, "end_reason": traj.end_reason, "truncated": traj.truncated,
-        "response_tokens": len(traj.response_ids), "sampled_tokens": sum(traj.loss_mask),
-        "num_turns": traj.num_turns, "num_tool_calls": traj.num_tool_calls,
-        "num_failed_tool_calls": traj.num_failed_tool_calls, "num_answer_blocks": traj.num_answer_blocks,
-        "turns": traj.turns,
-        "tool_calls": [{"code": c.code, "stdin": c.stdin, "status": c.status, "response": c.response}
-                       for c in traj.tool_calls],
-    }
 
 
 # ============================================================================ benchmarks

@@ -9,6 +9,7 @@ no format, tool or length terms. Used by training (integer answers) and evaluati
     is_equivalent(pred, gold)     check(...).correct
     compute_reward(response, gold) 1.0 or 0.0, the simple entry point
     check_many / reward_metrics   a batch at a time, and the counts the trainer logs (`reward/timeouts`, ...)
+    score_trajectories(trajs, golds)  each rollout's reward set from its own text (train, eval, held-out eval)
 
 How a pair is decided, cheapest first:
 1. Fast path, in this process, no LaTeX parser: the normalized texts are identical, or both are plain numerals
@@ -323,6 +324,15 @@ def check_many(preds: list, golds: list, pool: CheckPool | None = None) -> list[
             results = list(threads.map(lambda i: pool.run(*verdicts[i]), slow))
         for i, (equal, status) in zip(slow, results):
             verdicts[i] = Verdict(equal, status)
+    return verdicts
+
+
+def score_trajectories(trajs: list, golds: list, pool: CheckPool | None = None) -> list[Verdict]:
+    """Each rollout's reward, set on it (`t.reward`): 1.0 if the last boxed answer of its own text (`t.text`) is
+    equivalent to its gold answer, else 0.0. Returns the verdicts (timeouts, how each was decided)."""
+    verdicts = check_many([extract_answer(t.text) for t in trajs], golds, pool)
+    for t, v in zip(trajs, verdicts):
+        t.reward = 1.0 if v.correct else 0.0
     return verdicts
 
 

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from tqdm import tqdm
 
 from protocol import RESULT_FORMATS, ChatFormat, ToolCall, count_answer_blocks, encode
+from reward import extract_answer
 
 END_REASONS = ("answer", "max_turns", "length")
 PARSE_ERROR = "parse_error"  # ToolCallRecord.status of a call that could not be parsed, so it never ran
@@ -222,6 +223,22 @@ def rollout(problems: list[str], sampler, tool, tokenizer, fmt: ChatFormat, max_
         claim()
     bar.close()
     return trajs
+
+
+def trajectory_record(benchmark: str, problem: dict, problem_index: int, sample: int, traj) -> dict:
+    """One line of a trajectories.jsonl (eval.py's, and the RL stage's saved rollouts): everything needed to read
+    the rollout, without token ids."""
+    return {
+        "benchmark": benchmark, "problem_index": problem_index, "sample": sample, "id": problem.get("id"),
+        "problem": problem["problem"], "answer": problem["answer"], "pred": extract_answer(traj.text),
+        "reward": traj.reward, "end_reason": traj.end_reason, "truncated": traj.truncated,
+        "response_tokens": len(traj.response_ids), "sampled_tokens": sum(traj.loss_mask),
+        "num_turns": traj.num_turns, "num_tool_calls": traj.num_tool_calls,
+        "num_failed_tool_calls": traj.num_failed_tool_calls, "num_answer_blocks": traj.num_answer_blocks,
+        "turns": traj.turns,
+        "tool_calls": [{"code": c.code, "stdin": c.stdin, "status": c.status, "response": c.response}
+                       for c in traj.tool_calls],
+    }
 
 
 def rollout_sums(trajs, rewards) -> dict:

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from grpo_roc import LOSSES, penalty_total, select_step
 from mismatch import CORRECTIONS, mismatch_sums, sequence_log_ratios, sequence_mismatch
-from reward import check_many, extract_answer
+from reward import score_trajectories
 from rollout import rollout
 from schedule import gather_scores, step_claims
 from plumbing.update_plan import layout_for, update_work
@@ -75,9 +75,7 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     run.peers.wait("rollouts")  # for the slowest rank, with a heartbeat: a silent one stops the run (plumbing/accel.py, 5)
     # ---------------------------------------------------------------- 3. reward: 0/1 on the final answer
     golds = [run.problems[indices[slot // K]]["answer"] for slot in claims.slots]
-    verdicts = check_many([extract_answer(t.text) for t in trajs], golds)
-    for t, v in zip(trajs, verdicts):
-        t.reward = float(v.correct)
+    verdicts = score_trajectories(trajs, golds)  # sets each t.reward
     # ---------------------------------------------------------------- 4-6. drop equal groups, RoC, advantages
     # ... on the whole step: every rank gathers every rollout's reward and penalty counts (not its tokens)
     run.peers.phase("score gather")

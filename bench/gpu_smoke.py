@@ -279,8 +279,11 @@ def run_train(argv: list[str]) -> list[dict]:
     from reward import Verdict
     steps: list[dict] = []
 
-    def pattern(preds, golds):  # every other rollout "correct": each group has both rewards
-        return [Verdict(i % 2 == 0, "smoke") for i in range(len(preds))]
+    def pattern(trajs, golds):  # every other rollout "correct": each group has both rewards
+        verdicts = [Verdict(i % 2 == 0, "smoke") for i in range(len(trajs))]
+        for t, v in zip(trajs, verdicts):
+            t.reward = float(v.correct)
+        return verdicts
 
     def timed(name, fn, sizes):
         def wrapped(*args, **kwargs):
@@ -306,7 +309,7 @@ def run_train(argv: list[str]) -> list[dict]:
         policy = {k: [str(d or torch.float32) for d in v] for k, v in accel.mixed_precision_policy(args[1]).items()}
         return {"update_lengths": lengths, "policy": policy}
 
-    train.check_many = pattern
+    train.score_trajectories = pattern
     train.rollout = timed("rollout", train.rollout,
                           lambda args, result: {"rollout_tokens": sum(sum(t.loss_mask) for t in result)})
     train.update_policy = timed("update", train.update_policy, trained)

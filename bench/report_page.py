@@ -7,7 +7,7 @@ scripts removed: every sample as escaped HTML, nothing to build. The two are ope
 each in a fresh browser, and the medians of the page's own timings (Navigation and Paint Timing,
 from navigation start: the browser's start-up is not counted) are printed with their ratio.
 
-Rollouts are synthetic and seeded, in eval.trajectory_record's format, with a mix of call statuses,
+Rollouts are synthetic and seeded, in rollout.trajectory_record's format, with a mix of call statuses,
 at two sizes: "tiny" as in the tiny pipeline (a short thought, one call, a boxed answer: about 350
 characters) and "long" at the report's scale (8 turns of ~1,500 characters of reasoning, a call
 each: ~13K characters, some 4K tokens). Bytes per rollout = (page - the same page without

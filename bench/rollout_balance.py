@@ -54,9 +54,11 @@ def budget_sampler(train, long: int, short: int) -> None:
 
 def coin_reward(train) -> None:
     """train.py's reward becomes a coin: crc32 of the rollout's text, odd or even."""
-    train.extract_answer = lambda text: text
-    train.check_many = lambda answers, golds: [SimpleNamespace(correct=zlib.crc32(a.encode()) % 2 == 1,
-                                                               timed_out=False) for a in answers]
+    def coin(trajs, golds):
+        for t in trajs:
+            t.reward = float(zlib.crc32(t.text.encode()) % 2)
+        return [SimpleNamespace(correct=t.reward == 1.0, timed_out=False) for t in trajs]
+    train.score_trajectories = coin
 
 
 def skewed_problems(n: int) -> list[dict]:

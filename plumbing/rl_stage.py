@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import torch
 
 from code_tool import CodeTool, SandboxError, announce, choose_sandbox
-from eval import trajectory_record
 from grpo_roc import penalty_total
 from plumbing import accel, attention, cpu_threads, handoff, lora
 from plumbing.checkpoint import (atomic_write_text, begin_run, input_dtype, load_checkpoint, load_optimizer,
@@ -21,8 +20,8 @@ from plumbing.config import format_config, save_config, tracker_config
 from plumbing.data import check_model_path, load_pretrained, load_problems
 from plumbing.train_config import RESUME_FREE, TrainConfig, check_inputs, validate
 from protocol import chat_format_of, encode
-from reward import check_many, default_pool, extract_answer
-from rollout import rollout, rollout_sums
+from reward import default_pool, score_trajectories
+from rollout import rollout, rollout_sums, trajectory_record
 from samplers.hf import HFSampler
 from samplers.vllm_engine import VLLMSampler
 from schedule import wait_fraction
@@ -30,8 +29,9 @@ from schedule import wait_fraction
 
 def save_rollouts(acc, path: Path, step: int, problems: list[dict], slots: list[int], trajs: list, per_group: int,
                   kept: dict) -> None:
-    """Every rollout of the step, from every rank, as eval.py's trajectory records (problem-major) with what the
-    update made of it: the step, its penalty counts' total, whether RoC kept it, its advantage and mini-batch.
+    """Every rollout of the step, from every rank, as trajectory records (`rollout.trajectory_record`, eval.py's
+    format; problem-major) with what the update made of it: the step, its penalty counts' total, whether RoC kept
+    it, its advantage and mini-batch.
     Rank 0 gathers them (no other rank holds a copy) and writes the file whole (a resumed step writes it again)."""
     mine = [{**trajectory_record(f"step {step}", problem, slot // per_group, slot % per_group, t), "step": step,
              "penalty": penalty_total(t.num_tool_calls, t.num_failed_tool_calls, t.num_answer_blocks, t.num_turns),
@@ -55,10 +55,8 @@ def held_out_eval(cfg: TrainConfig, run, step: int) -> dict:
                     run.tokenizer, run.fmt, max_response_tokens=cfg.max_response_tokens, max_turns=cfg.max_turns,
                     temperature=cfg.eval_temperature, top_p=1.0, sync_turns=cfg.sync_turns, more=run.peers.beating)
     run.peers.wait("rollouts")
-    verdicts = check_many([extract_answer(t.text) for t in trajs],
-                          [problems[i // cfg.eval_samples]["answer"] for i in range(len(trajs))])
-    rewards = [float(v.correct) for v in verdicts]
-    stats = accel.reduce_sums(acc, rollout_sums(trajs, rewards))
+    score_trajectories(trajs, [problems[i // cfg.eval_samples]["answer"] for i in range(len(trajs))])
+    stats = accel.reduce_sums(acc, rollout_sums(trajs, [t.reward for t in trajs]))
     return {"eval/accuracy": stats["reward_mean"], "eval/tool_error_rate_in_correct":
             stats["tool_error_rate_in_correct"], "eval/response_tokens_mean": stats["response_tokens_mean"],
             "eval/tool_calls_mean": stats["tool_calls_mean"], "eval/truncated_frac": stats["truncated_frac"]}

@@ -1,4 +1,4 @@
-"""tools/report.py on a recorded evaluation (tests/data/eval_recorded, written by eval.trajectory_record:
+"""tools/report.py on a recorded evaluation (tests/data/eval_recorded, written by rollout.trajectory_record:
 2 benchmarks, 4 problems x 2 samples, every tool-call status, a model answer holding <script>):
 the page's data, escaping, the comparison of two evaluations, bad input; then the pages in
 headless Chromium (tools/browser.py), and the browser check failing on broken pages."""

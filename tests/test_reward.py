@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import reward  # noqa: E402
-from reward import CheckPool, Verdict, check, check_many, compute_reward, extract_answer, is_equivalent  # noqa: E402
+from reward import (CheckPool, Verdict, check, check_many, compute_reward, extract_answer, is_equivalent,  # noqa: E402
+                    score_trajectories)
 
 # (prediction, gold, intended verdict): what mathematics says, not what any grader says.
 EQUIV_CASES = [
@@ -212,6 +213,17 @@ def test_check_many_matches_check(pool):
     assert check_many(preds, golds, pool) == [check(p, g, pool) for p, g in zip(preds, golds)]
     assert [v.decided_by for v in check_many(preds, golds, pool)] == [
         "fast", "slow", "no_answer", "screened", "slow", "slow"]
+
+
+def test_score_trajectories_sets_each_reward_from_the_rollout_s_own_final_answer(pool):
+    """The one scoring of rollouts against their golds (training, evaluation, the held-out evaluation)."""
+    from types import SimpleNamespace
+    texts = [r"<answer>\boxed{12}</answer>", r"the tool printed \boxed{12}<answer>\boxed{11}</answer>",
+             "no box", r"<answer>\boxed{\frac{24}{2}}</answer>"]
+    trajs = [SimpleNamespace(text=t, reward=None) for t in texts]
+    verdicts = score_trajectories(trajs, ["12"] * 4, pool)
+    assert [t.reward for t in trajs] == [1.0, 0.0, 0.0, 1.0]
+    assert verdicts == check_many([extract_answer(t) for t in texts], ["12"] * 4, pool)
 
 
 @pytest.mark.spec

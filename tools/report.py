@@ -6,7 +6,7 @@ turns and tool calls; and a page comparing two evaluations of the same benchmark
         runs/tiny/compare_sft_stage3.html             # the problems that changed, side by side
     python -m tools.report runs/tiny/stage1/rollouts/step_000040.jsonl   # a training step's rollouts
 
-Input: an eval.py output folder: results.json and trajectories.jsonl (one `eval.trajectory_record`
+Input: an eval.py output folder: results.json and trajectories.jsonl (one `rollout.trajectory_record`
 per rollout). eval.py writes the report at the end of every run. The report shows
 - the results table per benchmark (pass@1 +- se, pass@k, maj@k, tool calls, tool-error rates,
   lengths) and how many rollouts each filter keeps, each count a link to those rollouts;
@@ -43,7 +43,7 @@ from pathlib import Path
 from plumbing.data import _read_jsonl
 from protocol import parse_tool_call
 
-# Keys of a trajectories.jsonl record (eval.trajectory_record) that the page reads.
+# Keys of a trajectories.jsonl record (rollout.trajectory_record) that the page reads.
 RECORD_KEYS = ("benchmark", "problem_index", "sample", "id", "problem", "answer", "pred", "reward",
                "end_reason", "response_tokens", "num_turns", "num_tool_calls",
                "num_failed_tool_calls", "turns", "tool_calls")
