@@ -10,8 +10,9 @@ Report", arXiv 2508.20722, §2; in our words: docs/method.md, section 3):
    1 / (p_total + ROC_WEIGHT_EPS), so clean successes are preferred. p_total = p_err + p_format
    (`tool_error_penalty`, `format_penalty`, `penalty_total`).
 3. `group_advantages`: A_i = (r_i - mean) / (std + 1e-6) per group of G, std unbiased (n - 1).
-   `select_step` is the three on one step's scores (phases 4-6 of train.py): every rank computes it alike from the
-   gathered numbers of every rollout, so a group's rollouts need not have been sampled on one rank.
+   `select_step` is the first two on one step's scores (phases 4-5 of train.py, which computes phase 6 with
+   `group_advantages` beside them): every rank computes both alike from the gathered numbers of every rollout, so
+   a group's rollouts need not have been sampled on one rank.
 4. `policy_loss`: token-level clipped surrogate (DAPO-style, clip 0.2 / 0.28, which binds only with more than one
    optimizer step per RL step: see `policy_loss`), summed over all unmasked
    tokens and divided by the token count of the whole optimizer step (`normaliser`), so micro-batches and
@@ -185,18 +186,15 @@ def group_advantages(rewards, group_size: int, eps: float = 1e-6) -> torch.Tenso
     return ((grouped - mean) / (std + eps)).reshape(-1)
 
 
-def select_step(rewards, penalties, keep: int, mode: str, generators: list) -> tuple[list[int], list[list[int]],
-                                                                                   list[list[float]]]:
-    """Phases 4-6 on one step's scores: (groups with signal, the indices RoC keeps in each, their advantages).
+def select_step(rewards, penalties, keep: int, mode: str, generators: list) -> tuple[list[int], list[list[int]]]:
+    """Phases 4-5 on one step's scores: (the groups with signal, the indices RoC keeps in each).
 
     rewards, penalties: (B, 2G) per rollout of the step's groups, in step order. generators: one torch.Generator
     per group (for mode="sample"; seeded by the group's position in the step, so the choice does not depend on
     where a group was sampled). A pure function of its arguments: every rank that calls it gets the same answer."""
     groups = drop_equal_groups(rewards) if len(rewards) else []
     kept = [resample_on_correct(rewards[g], penalties[g], keep, mode=mode, generator=generators[g]) for g in groups]
-    advantages = [group_advantages(torch.tensor([float(rewards[g][i]) for i in idx]), len(idx)).tolist()
-                  for g, idx in zip(groups, kept)]
-    return groups, kept, advantages
+    return groups, kept
 
 
 # ----------------------------------------------------------------------------------- policy loss

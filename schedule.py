@@ -14,9 +14,10 @@ are easy, and every rank waits for it. The config field `schedule` (`SCHEDULES`)
   Under `static` each rank rolls out a fixed, contiguous share of the step's prompts instead.
 - Scores (before phases 4-6). Every rank gathers every rollout's few numbers (`gather_scores`: its place in the
   step, reward, the penalty's counts, its lengths; not its tokens), so the equal-group drop, Resample-on-Correct
-  and the advantages (grpo_roc.select_step) are computed for the whole step, alike on every rank, whichever rank
-  sampled a rollout. The update then trains each kept rollout where its plan puts it (plumbing/update_plan.py:
-  micro-batches by tokens, balanced for the lockstep FSDP runs in; under `static` each rank keeps its own).
+  (grpo_roc.select_step), the advantages and the loss's normaliser (train.py) are computed for the whole step,
+  alike on every rank, whichever rank sampled a rollout. The update then trains each kept rollout where its plan
+  puts it (plumbing/update_plan.py: micro-batches by tokens, balanced for the lockstep FSDP runs in; under
+  `static` each rank keeps its own).
 
 What the report describes and what this does: the report's scheduler dispatches single requests to engines by their
 free KV cache, from one controller. Here there is no controller: each rank asks its own engine, claiming while it

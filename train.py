@@ -42,7 +42,7 @@ from plumbing import cpu_threads  # noqa: F401  (first: it sets OpenMP's wait po
 import torch
 from tqdm import tqdm
 
-from grpo_roc import LOSSES, penalty_total, select_step
+from grpo_roc import LOSSES, group_advantages, penalty_total, select_step
 from mismatch import CORRECTIONS, mismatch_sums, sequence_log_ratios, sequence_mismatch
 from reward import score_trajectories
 from rollout import rollout
@@ -76,15 +76,19 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     # ---------------------------------------------------------------- 3. reward: 0/1 on the final answer
     golds = [run.problems[indices[slot // K]]["answer"] for slot in claims.slots]
     verdicts = score_trajectories(trajs, golds)  # sets each t.reward
-    # ---------------------------------------------------------------- 4-6. drop equal groups, RoC, advantages
+    # ---------------------------------------------------------------- 4-5. drop equal groups, RoC (2G -> G)
     # ... on the whole step: every rank gathers every rollout's reward and penalty counts (not its tokens)
     run.peers.phase("score gather")
     scores = gather_scores(acc, claims.slots, trajs)
     rewards, penalties = step_grids(scores, B, K, step)
     # RoC's random choices: a generator per group, seeded by the group's place in the step (not by the rank)
     gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 10_007 + g) for g in range(B)]
-    # A_i = (r_i - mean_group) / (std_group + 1e-6), unbiased std, every token of rollout i gets A_i
-    groups, kept_idx, adv = select_step(rewards, penalties, cfg.group_size, cfg.roc_mode, gens)
+    groups, kept_idx = select_step(rewards, penalties, cfg.group_size, cfg.roc_mode, gens)
+    # ---------------------------------------------------------------- 6. advantages per kept group
+    # A_i = (r_i - mean_group) / (std_group + 1e-6) over the group's kept rollouts, std unbiased; every token of
+    # rollout i gets A_i
+    adv = [group_advantages(torch.tensor([float(rewards[g][i]) for i in idx]), len(idx)).tolist()
+           for g, idx in zip(groups, kept_idx)]
     kept = kept_slots(groups, kept_idx, adv, K, cfg)  # slot -> (advantage, mini-batch)
     if cfg.save_rollouts_every and (step + 1) % cfg.save_rollouts_every == 0:
         run.peers.phase("rollouts saved")
@@ -99,9 +103,11 @@ def train_step(step: int, cfg: TrainConfig, run) -> dict:
     work, plan = update_work(acc, scores, kept, dict(zip(claims.slots, trajs)), cfg.updates_per_step,
                              cfg.max_tokens_per_micro_batch, cfg.micro_batch_size, cfg.schedule,
                              layout_for(cfg.max_tokens_per_micro_batch, run.one_row))
+    # each mini-batch's loss divides by its kept rollouts' sampled tokens summed over ALL ranks and micro-batches
+    normalisers = minibatch_normalisers(scores, kept, cfg)
     lr = run.scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
     sums = {k if "/" in k else f"loss/{k}": v for k, v in update_policy(
-        acc, run.model, run.optimizer, run.scheduler, work, cfg, run.pad_id).items()}
+        acc, run.model, run.optimizer, run.scheduler, work, normalisers, cfg, run.pad_id).items()}
     t_update = time.perf_counter() - t1
     # ---------------------------------------------------------------- 9. hand the new weights to the sampler
     run.peers.phase("hand-off")
@@ -123,13 +129,13 @@ def correction_weights(cfg):
     return partial(weights, **params[cfg.mismatch_correction]) if weights else None
 
 
-def update_policy(accelerator, model, optimizer, scheduler, work, cfg, pad_id: int) -> dict:
+def update_policy(accelerator, model, optimizer, scheduler, work, normalisers: list[int], cfg, pad_id: int) -> dict:
     """Phases 7-8 on this rank's part of the step's update (update_plan.RankWork: its micro-batch slots of every
-    mini-batch, the same number of slots on every rank). Returns metrics as {name: (sum, count)}: the loss's, and
-    the sampler-trainer gap on the kept rollouts' sampled tokens (`mismatch/*`, from the old log-probs the update
-    computes anyway)."""
+    mini-batch, the same number of slots on every rank); normalisers: each mini-batch's (`minibatch_normalisers`).
+    Returns metrics as {name: (sum, count)}: the loss's, and the sampler-trainer gap on the kept rollouts' sampled
+    tokens (`mismatch/*`, from the old log-probs the update computes anyway)."""
     world = accelerator.num_processes
-    loss_fn, counted = LOSSES[cfg.loss_agg]
+    loss_fn = LOSSES[cfg.loss_agg][0]
     correction = correction_weights(cfg)
     if correction and not work.measured:
         raise SystemExit(f"config error: mismatch_correction={cfg.mismatch_correction} needs the sampler's "
@@ -140,12 +146,9 @@ def update_policy(accelerator, model, optimizer, scheduler, work, cfg, pad_id: i
     old = old_logprobs(model, minibatches, cfg.temperature)
     # Phase 8: `updates_per_step` optimizer steps (mini-batches), each accumulating its micro-batches.
     sums, seq_log_ratios = {}, []
-    for micro, micro_old, counts in zip(minibatches, old, work.counts):
+    for micro, micro_old, normaliser in zip(minibatches, old, normalisers, strict=True):
         if not micro:  # no kept rollout on any rank: no optimizer or scheduler step, the weights stay as they are
             continue
-        # The normaliser, over ALL ranks and micro-batches of this mini-batch: unmasked tokens (token-level loss)
-        # or sequences (sequence-mean ablation); every rank knows it from the gathered scores.
-        normaliser = counts[counted]
         loss_sum = 0.0
         for j, ((batch, adv, n), old_logp) in enumerate(zip(micro, micro_old)):
             with gradient_sync(accelerator, model, last=j == len(micro) - 1):
@@ -249,6 +252,18 @@ def kept_slots(groups: list[int], kept_idx: list[list[int]], adv: list[list[floa
     every = minibatch_of(counts, cfg.updates_per_step, 1 if cfg.max_tokens_per_micro_batch else cfg.micro_batch_size)
     return {g * per_group + i: (a, m) for g, idx, advs in zip(groups, kept_idx, adv)
             for i, a, m in zip(idx, advs, every[g])}
+
+
+def minibatch_normalisers(scores: list, kept: dict, cfg: TrainConfig) -> list[int]:
+    """The exact global normaliser of each mini-batch (phase 8): its kept rollouts' sampled tokens over ALL ranks
+    and micro-batches (token-level loss), or their number (`loss_agg: sequence`). Every rank computes it alike from
+    the gathered scores: no collective. kept: slot -> (advantage, mini-batch)."""
+    counted = LOSSES[cfg.loss_agg][1]  # "tokens" or "sequences"
+    out = [0] * cfg.updates_per_step
+    for s in scores:
+        if s.slot in kept:
+            out[kept[s.slot][1]] += s.sampled_tokens if counted == "tokens" else 1
+    return out
 
 
 # ============================================================================ pure helpers of the step

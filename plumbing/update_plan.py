@@ -342,7 +342,6 @@ def check_same_plan(digests: list[int]) -> None:
 class RankWork:
     """This rank's part of one step's update (phases 7-8); every rank's has the same shape."""
     minibatches: list[list[MicroBatch]]  # [mini-batch][slot] -> the micro-batch of TrainRows it trains there
-    counts: list[dict]  # [mini-batch] -> {"tokens": sampled tokens, "sequences": rollouts}, over every rank
     measured: bool      # every kept rollout carries the sampler's log-probs: the gap is measured (on every rank)
 
 
@@ -368,8 +367,6 @@ def update_work(accelerator, scores: list[Score], kept: dict, local: dict, updat
         t = rows[order[i]]
         return TrainRow(t.prompt_ids, t.response_ids, t.loss_mask, t.logprobs if measured else None,
                         kept[order[i]][0])
-    counts = [{"tokens": sum(by_slot[s].sampled_tokens for s in order if kept[s][1] == u),
-               "sequences": sum(kept[s][1] == u for s in order)} for u in range(updates)]
     mine = [[MicroBatch([[row(i) for i in r] for r in slot[rank].rows], slot[rank].width) for slot in slots]
             for slots in plan]
-    return RankWork(mine, counts, measured), lockstep_metrics(plan, tokens, owners)
+    return RankWork(mine, measured), lockstep_metrics(plan, tokens, owners)

@@ -131,7 +131,7 @@ def test_flash_packs_one_row_with_positions_restarting_and_gives_the_padded_log_
     model.config._attn_implementation = "flash_attention_2"
     assert rl_stage.one_row_attention(model)  # what setup gives train_step's layout_for
     cfg = train.TrainConfig(max_tokens_per_micro_batch=400)
-    work, _ = one_process_work(kept, cfg, one_row=rl_stage.one_row_attention(model))
+    work, _, _ = one_process_work(kept, cfg, one_row=rl_stage.one_row_attention(model))
     micro = [m for slots in work.minibatches for m in slots]
     assert len(micro) > 1 and all(len(m.rows) == 1 for m in micro)  # every micro-batch one row
     for m in micro:
@@ -198,8 +198,8 @@ def test_an_update_on_flash_s_one_row_micro_batches_gives_the_padded_update(tiny
         acc = Accelerator(cpu=True)
         model, opt, sched = acc.prepare(model, opt, sched)
         cfg = train.TrainConfig(micro_batch_size=2, grad_clip=1e9, max_tokens_per_micro_batch=budget)
-        work = one_process_work(kept, cfg, one_row=rl_stage.one_row_attention(acc.unwrap_model(model)))[0]
-        train.update_policy(acc, model, opt, sched, work, cfg, pad_id=0)
+        work, _, normalisers = one_process_work(kept, cfg, one_row=rl_stage.one_row_attention(acc.unwrap_model(model)))
+        train.update_policy(acc, model, opt, sched, work, normalisers, cfg, pad_id=0)
         return torch.cat([p.detach().flatten() for p in model.parameters()]), work
     padded, _ = updated("sdpa", 0)
     flash, work = updated("flash_attention_2", 200)

@@ -43,10 +43,11 @@ def update(tiny, minibatch_of_slot: list[int], updates: int):
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     slots = [s for s, m in enumerate(minibatch_of_slot) if m is not None]
     kept = {s: ((-1.0) ** s, minibatch_of_slot[s]) for s in slots}
-    work, _ = update_plan.update_work(ONE, schedule.gather_scores(ONE, slots, [trajs[s] for s in slots]), kept,
-                                      {s: trajs[s] for s in slots}, updates, 0, cfg.micro_batch_size, "balanced",
-                                      "padded")
-    train.update_policy(acc, model, optimizer, scheduler, work, cfg, tok.pad_token_id)
+    scores = schedule.gather_scores(ONE, slots, [trajs[s] for s in slots])
+    work, _ = update_plan.update_work(ONE, scores, kept, {s: trajs[s] for s in slots}, updates, 0,
+                                      cfg.micro_batch_size, "balanced", "padded")
+    train.update_policy(acc, model, optimizer, scheduler, work, train.minibatch_normalisers(scores, kept, cfg), cfg,
+                        tok.pad_token_id)
     steps = max((int(s["step"]) for s in optimizer.state_dict()["state"].values()), default=0)
     return {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}, steps, \
         scheduler.scheduler.last_epoch if hasattr(scheduler, "scheduler") else scheduler.last_epoch

@@ -72,8 +72,8 @@ def test_one_update_raises_positive_and_lowers_negative_rollouts(tiny):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 1.0)
     acc = Accelerator(cpu=True)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
-    train.update_policy(acc, model, optimizer, scheduler, one_process_work(list(zip(trajs, adv)), cfg)[0], cfg,
-                        tok.pad_token_id)
+    work, _, normalisers = one_process_work(list(zip(trajs, adv)), cfg)
+    train.update_policy(acc, model, optimizer, scheduler, work, normalisers, cfg, tok.pad_token_id)
     change = (response_logprobs(model, trajs, tok.pad_token_id) - before).tolist()
     assert change[0] > 0.01 and change[2] > 0.01, change  # A > 0: more likely
     assert change[1] < -0.01 and change[3] < -0.01, change  # A < 0: less likely

@@ -82,7 +82,7 @@ def test_rows_are_filled_best_fit_longest_first_and_count_their_padding():
 def test_an_update_on_packed_micro_batches_gives_the_padded_update(tiny):  # noqa: F811
     _, kept = kept_batch(tiny)
     for budget in (0, 200):
-        work, _ = one_process_work(kept, train.TrainConfig(micro_batch_size=2, max_tokens_per_micro_batch=budget))
+        work, _, _ = one_process_work(kept, train.TrainConfig(micro_batch_size=2, max_tokens_per_micro_batch=budget))
         slots = work.minibatches[0]
         assert len(slots) > 1  # several micro-batches either way: the normaliser spans them
         assert budget == 0 or all(s.forwarded() <= budget for s in slots)

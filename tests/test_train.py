@@ -13,7 +13,7 @@ import train
 from plumbing import rl_stage
 from plumbing import batches
 from tools import report
-from grpo_roc import select_step
+from grpo_roc import group_advantages, select_step
 from plumbing.data import write_jsonl
 from protocol import chat_format
 from rollout import rollout
@@ -57,9 +57,10 @@ def test_pad_batch_mask_sits_on_the_targets_the_policy_sampled():
 
 
 def test_select_step_off_keeps_everything_of_signal_groups():
-    groups, kept, adv = select_step([[1, 0, 1, 0], [1, 1, 1, 1]], [[0.0] * 4] * 2, 4, "off", [None, None])
+    groups, kept = select_step([[1, 0, 1, 0], [1, 1, 1, 1]], [[0.0] * 4] * 2, 4, "off", [None, None])
     assert groups == [0] and kept == [[0, 1, 2, 3]]
-    assert adv == [pytest.approx([0.866, -0.866, 0.866, -0.866], abs=1e-3)]  # (r - 0.5) / (std 0.577 + 1e-6)
+    adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4).tolist()  # train_step's phase 6 on that group
+    assert adv == pytest.approx([0.866, -0.866, 0.866, -0.866], abs=1e-3)  # (r - 0.5) / (std 0.577 + 1e-6)
 
 
 def test_sampler_logprobs_sit_where_the_mask_is():
@@ -103,7 +104,8 @@ def updated_weights(tiny, kept, micro_batch_size, **cfg):
     acc = Accelerator(cpu=True)
     model, opt, sched = acc.prepare(model, opt, sched)
     cfg = train.TrainConfig(micro_batch_size=micro_batch_size, grad_clip=1e9, **cfg)
-    sums = train.update_policy(acc, model, opt, sched, one_process_work(kept, cfg)[0], cfg, pad_id=0)
+    work, _, normalisers = one_process_work(kept, cfg)
+    sums = train.update_policy(acc, model, opt, sched, work, normalisers, cfg, pad_id=0)
     return torch.cat([p.detach().flatten() for p in model.parameters()]), sums
 
 
@@ -213,7 +215,8 @@ def test_update_scores_old_logprobs_in_its_own_forward_when_on_policy(tiny, monk
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
     acc = Accelerator(cpu=True)
     model, opt, sched = acc.prepare(model, opt, sched)
-    sums = train.update_policy(acc, model, opt, sched, one_process_work(kept, cfg_two)[0], cfg_two, pad_id=0)
+    work, _, normalisers = one_process_work(kept, cfg_two)
+    sums = train.update_policy(acc, model, opt, sched, work, normalisers, cfg_two, pad_id=0)
     assert [grad for _, grad in calls] == [False] * 2 + [True] * 4  # micro-batches 3 and 4, before any step
     ratio = sums["ratio_mean"][0] / sums["ratio_mean"][1]
     assert ratio != pytest.approx(1.0, abs=1e-6)  # the second mini-batch saw the policy after the first step
