@@ -52,13 +52,13 @@ from plumbing import accel, handoff
 from plumbing.batches import make_batch, token_logprobs
 from plumbing.checkpoint import input_dtype, latest_checkpoint, save_checkpoint, save_model
 from plumbing.config import parse_cli
-from plumbing.rl_stage import held_out_eval, log_line, save_rollouts, setup, step_metrics
+from plumbing.rl_stage import Stage, held_out_eval, log_line, save_rollouts, setup, step_metrics
 from plumbing.train_config import USAGE, TrainConfig, plan_lines, validate
 from tools.plots import plot_curves
 
 
 # ============================================================================ one RL step (phases 1-9)
-def train_step(step: int, cfg: TrainConfig, run) -> dict:
+def train_step(step: int, cfg: TrainConfig, run: Stage) -> dict:
     """Phases 1-9 for one step on this rank; returns {name: (sum, count)} to be reduced over ranks."""
     acc, K, B = run.accelerator, cfg.rollouts_per_prompt, cfg.prompts_per_step
     t0 = time.perf_counter()
@@ -309,9 +309,19 @@ def main(argv=None) -> None:
         run_stage(cfg)
 
 
+def optimizer_and_schedule(cfg: TrainConfig, parameters: list) -> tuple:
+    """AdamW on the trainable weights, and its learning rate before optimizer step t:
+    lr_t = lr * min(1, (t + 1) / warmup_steps), a linear warm-up, then constant (report §4)."""
+    optimizer = torch.optim.AdamW(parameters, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / max(cfg.warmup_steps, 1)))
+    return optimizer, warmup
+
+
 def run_stage(cfg: TrainConfig) -> None:
-    """Set-up, the steps (each logged and checkpointed), model/ at the end."""
-    step, run = setup(cfg)
+    """Set-up (plumbing/rl_stage.py; the optimizer and its schedule from `optimizer_and_schedule`), the steps (each
+    logged and checkpointed), model/ at the end."""
+    step, run = setup(cfg, optimizer_and_schedule)
     acc, log_path = run.accelerator, run.out / "metrics.jsonl"
     bar = tqdm(total=cfg.steps, initial=step, desc=f"stage {cfg.stage}", disable=not acc.is_main_process)
     try:

@@ -88,8 +88,8 @@ def worker(argv: list[str], plan: str, long: int, short: int) -> None:
     rank, step = int(os.environ.get("RANK", 0)), [0]
     real_setup, real_step = train.setup, train.train_step
 
-    def setup(cfg):
-        at, run = real_setup(cfg)
+    def setup(cfg, *args):
+        at, run = real_setup(cfg, *args)
         run.model.register_forward_hook(census_hook(out / f"census{rank}.jsonl", step), with_kwargs=True)
         return at, run
 

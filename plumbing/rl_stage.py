@@ -1,13 +1,14 @@
 """What one RL stage (train.py) needs around its steps, which a first read can skip: the set-up (accelerator, data,
-model with its optimizer and schedule, resume, sampler, code tool), the held-out evaluation during training, the
-ranks' rollout times, a step's rollouts written for reading, and the step's log line.
+model with the optimizer and schedule train.py builds, resume, sampler, code tool), the held-out evaluation during
+training, the ranks' rollout times, a step's rollouts written for reading, and the step's log line.
 
 `setup` runs in the order that stops on bad input before any expensive work, and returns the step to start from
-and `run`, a plain namespace of what a step needs (not a framework).
+and `run`, a `Stage`: what a step needs, one field a line (not a framework).
 """
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any, Callable
 
 import torch
 
@@ -19,12 +20,34 @@ from plumbing.checkpoint import (atomic_write_text, begin_run, input_dtype, load
 from plumbing.config import format_config, save_config, tracker_config
 from plumbing.data import check_model_path, load_pretrained, load_problems
 from plumbing.train_config import RESUME_FREE, TrainConfig, check_inputs, validate
-from protocol import chat_format_of, encode
+from protocol import ChatFormat, chat_format_of, encode
 from reward import default_pool, score_trajectories
 from rollout import rollout, rollout_sums, trajectory_record
 from samplers.hf import HFSampler
 from samplers.vllm_engine import VLLMSampler
 from schedule import wait_fraction
+
+
+@dataclass
+class Stage:
+    """What a step of the RL stage needs, built once by `setup`."""
+    accelerator: Any                    # accelerate.Accelerator: the ranks, the device, the trackers
+    model: torch.nn.Module              # the policy, fp32 master weights, prepared (DDP or FSDP2; LoRA: PEFT)
+    optimizer: torch.optim.Optimizer    # train.optimizer_and_schedule's AdamW, prepared
+    scheduler: Any                      # its warm-up LambdaLR (stepped once per optimizer step)
+    sampler: Any                        # samplers/: HFSampler or VLLMSampler, fed the policy's weights (phase 9)
+    tool: CodeTool                      # the Python tool the rollouts call
+    tokenizer: Any                      # the model folder's tokenizer
+    fmt: ChatFormat                     # the prompt and tool-response markup (protocol.py)
+    problems: list[dict]                # the training problems ({"problem", "answer", ...})
+    eval_problems: list[dict]           # the held-out problems ([] without eval_data)
+    probe: list[int]                    # token ids whose log-probs check each hand-off (plumbing/handoff.py)
+    pad_id: int                         # the tokenizer's pad id (0 when it has none)
+    out: Path                           # out_dir
+    identity: dict                      # what a resume must match (plumbing/checkpoint.run_identity)
+    handoff_check: tuple                # the last hand-off's check, which the next one compares with
+    one_row: bool                       # packed micro-batches are one row (flash attention's varlen kernels)
+    peers: accel.Peers                  # the ranks' heartbeat and the watchdog's phase names
 
 
 def save_rollouts(acc, path: Path, step: int, problems: list[dict], slots: list[int], trajs: list, per_group: int,
@@ -45,7 +68,7 @@ def save_rollouts(acc, path: Path, step: int, problems: list[dict], slots: list[
         atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
-def held_out_eval(cfg: TrainConfig, run, step: int) -> dict:
+def held_out_eval(cfg: TrainConfig, run: Stage, step: int) -> dict:
     """Accuracy and diagnostics on the held-out split (mean reward over eval_samples samples per problem)."""
     acc = run.accelerator
     problems = run.eval_problems[acc.process_index::acc.num_processes]
@@ -69,8 +92,9 @@ def load_data(paths: list[str]) -> list[dict]:
         raise SystemExit(f"input error: {e}") from None
 
 
-def setup(cfg: TrainConfig):
-    """Everything before step 0, in the order that stops on bad input before any expensive work."""
+def setup(cfg: TrainConfig, optimizer_and_schedule: Callable) -> tuple[int, Stage]:
+    """Everything before step 0, in the order that stops on bad input before any expensive work: (the step to
+    start from, the Stage). optimizer_and_schedule(cfg, parameters) -> (optimizer, lr scheduler): train.py's."""
     from accelerate.utils import DistributedType, set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -121,12 +145,9 @@ def setup(cfg: TrainConfig):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model = lora.attach(model, cfg)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
-    # lr_t = lr * min(1, (t + 1) / warmup_steps) before optimizer step t: linear warm-up, then constant (report §4).
-    # Not given to acc.prepare: Accelerate would step it once per process at every optimizer step (a warm-up
-    # num_processes times too fast); registered, so checkpoints keep it all the same.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / max(cfg.warmup_steps, 1)))
+    optimizer, scheduler = optimizer_and_schedule(cfg, [p for p in model.parameters() if p.requires_grad])
+    # The scheduler is not given to acc.prepare: Accelerate would step it once per process at every optimizer step
+    # (a warm-up num_processes times too fast); registered, so checkpoints keep it all the same.
     acc.register_for_checkpointing(scheduler)
     if acc.distributed_type == DistributedType.FSDP and not acc.is_fsdp2:
         raise SystemExit("config error: train.py shards with FSDP2: set fsdp_version: 2 in the Accelerate config "
@@ -145,16 +166,16 @@ def setup(cfg: TrainConfig):
     try:  # an error from here on ends the engine as one in the loop does (run_stage's `finally`)
         # The sampler starts from the trainer's weights (a resumed checkpoint's too), checked before any rollout.
         probe = encode(tokenizer, fmt.prompt(problems[0]["problem"]))[:handoff.HANDOFF_PROBE_TOKENS]
-        # the objects a step needs, built once: a plain namespace, not a framework
-        run = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
-                              tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems, probe=probe,
-                              pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, out=out,
-                              identity=identity, handoff_check=handoff.sync(acc, model, sampler, probe, "at the start"),
-                              one_row=one_row_attention(acc.unwrap_model(model)),
-                              peers=accel.peers(cfg.peer_timeout_s, "train"))
-        run.tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
-                            max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
-                            require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)
+        check = handoff.sync(acc, model, sampler, probe, "at the start")
+        peers = accel.peers(cfg.peer_timeout_s, "train")
+        tool = CodeTool(workers=cfg.tool_workers, timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb,
+                        max_output_chars=cfg.tool_max_output_chars, backend=cfg.tool_backend,
+                        require_isolation=cfg.tool_require_isolation, error_format=cfg.tool_error_format)
+        run = Stage(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                    tool=tool, tokenizer=tokenizer, fmt=fmt, problems=problems, eval_problems=eval_problems,
+                    probe=probe, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+                    out=out, identity=identity, handoff_check=check,
+                    one_row=one_row_attention(acc.unwrap_model(model)), peers=peers)
         default_pool().start()  # the answer checkers import sympy while the first rollout runs, not after it
     except BaseException:
         accel.end_sampler(sampler)  # on an error path: abandoned, no shutdown at exit on the ended groups
