@@ -5,7 +5,7 @@ One step's work is uneven: some prompts give rollouts of a few hundred tokens, o
 fixed share per rank, the rank whose prompts are hard decodes several times as many tokens as the one whose prompts
 are easy, and every rank waits for it. The config field `schedule` (`SCHEDULES`) picks how the work is shared:
 
-- Claiming (phase 2). The step's rollouts, in (prompt, index) order, sit behind one shared counter in the process
+- Claiming (phases 1-2). The step's rollouts, in (prompt, index) order, sit behind one shared counter in the process
   group's store (the TCP store that torchrun and `accelerate launch` already run); a rank claims the next
   `claim_size` of them (`store.add(key, 1)`) whenever its claim rule finds room (`CLAIM_RULES`, config
   `claim_rule`): its engine can start one more now (`free_kv`), or fewer than `rollout_batch_size` of its rollouts
@@ -166,7 +166,7 @@ def wait_fraction(times: list[float]) -> float:
 # ============================================================================ scores: what every rank learns
 @dataclass(frozen=True)
 class Score:
-    """One rollout's numbers, gathered from every rank: what phases 4-6 and the update's plan read."""
+    """One rollout's numbers, gathered from every rank: what phases 4-6, the update's plan and its normaliser read."""
     slot: int             # its place in the step: group position x 2G + index in the group
     rank: int             # the rank that sampled it (and holds its tokens)
     reward: float

@@ -7,14 +7,14 @@ Each step, in labelled phases (the banners in `train_step`):
   1. claim the step's B x 2G rollouts, a few at a time as this rank's engine frees up (schedule.py)
   2. rollout: 2G multi-turn rollouts per prompt with the Python tool (rollout.py)
   3. reward: 0/1 on the final answer (reward.py)
-  4. drop equal groups (all right or all wrong)                    } grpo_roc.py
+  4. drop equal groups (all right or all wrong)                    } grpo_roc.select_step
   5. Resample-on-Correct: 2G -> G per group                         }
-  6. advantages per group of G                                      }
+  6. advantages per kept group: A_i = (r_i - mean) / (std + 1e-6)   grpo_roc.group_advantages
   7. old log-probs under the policy before the update
-  8. policy update: micro-batch slots by tokens, the same on every rank (plumbing/update_plan.py); mini-batches of micro-batches,
-     gradient accumulation, the exact global token normaliser
+  8. policy update: mini-batches of micro-batches, gradient accumulation, the exact global token normaliser
+     (`minibatch_normalisers`); the micro-batch slots by tokens, as many on every rank (plumbing/update_plan.py)
   9. hand the new weights to the sampler, and verify they arrived (log-probs of a fixed sequence; plumbing/handoff.py)
- 10. log (metrics.jsonl, tqdm, trackers) and checkpoint
+ 10. the step's numbers; `run_stage` then logs them (metrics.jsonl, tqdm, trackers) and checkpoints
 A stage is one invocation; the multi-stage recipe is a sequence of them (configs/*/stage{1,2,3}.yaml), each starting
 from the previous stage's `model/`. Stage 3's data is the problems the stage-2 policy did not solve k of k times
 (`eval.py ... unsolved_out=...`), and it starts with a fresh optimizer; stage 2 may carry stage 1's (`optimizer_from`).
@@ -24,8 +24,10 @@ The policy trains as fp32 master weights (checkpoints keep them); `model/` is wr
 Exact token normalisation across micro-batches and ranks: each micro-batch's loss is its masked token sum divided by
 the token count of the whole mini-batch over all ranks, times the world size (DDP/FSDP average gradients over
 ranks, which the factor undoes). The accumulated gradient is then exactly that of one big batch on one process.
-Ranks keep different numbers of rollouts after dropping equal groups, so the number of micro-batches is agreed on
-first and ranks with fewer run empty (mask-0) micro-batches: every rank joins every collective.
+Ranks hold different numbers and lengths of kept rollouts, so every rank computes one plan of micro-batch slots from
+the gathered scores (as many slots on every rank; the ranks compare its digest) and trains its planned slots, a
+rank with nothing for a slot a filler (two pad tokens, nothing under the loss mask): every rank joins every
+collective. A mini-batch with no kept rollout on any rank has no slots and takes no optimizer or scheduler step.
 
 Not here: a KL term or reference model, an entropy bonus (see grpo_roc.py). The report's rollout scheduler (§3.2)
 is schedule.py's: across ranks, rollouts claimed as engines free up; within a rank, rollout.py batches continuously
@@ -57,9 +59,9 @@ from plumbing.train_config import USAGE, TrainConfig, plan_lines, validate
 from tools.plots import plot_curves
 
 
-# ============================================================================ one RL step (phases 1-9)
+# ============================================================================ one RL step (phases 1-10)
 def train_step(step: int, cfg: TrainConfig, run: Stage) -> dict:
-    """Phases 1-9 for one step on this rank; returns {name: (sum, count)} to be reduced over ranks."""
+    """Phases 1-10 for one step on this rank; returns {name: (sum, count)} to be reduced over ranks."""
     acc, K, B = run.accelerator, cfg.rollouts_per_prompt, cfg.prompts_per_step
     t0 = time.perf_counter()
     # ---------------------------------------------------------------- 1-2. claim rollouts, play them out
@@ -95,7 +97,8 @@ def train_step(step: int, cfg: TrainConfig, run: Stage) -> dict:
         save_rollouts(acc, run.out / "rollouts" / f"step_{step + 1:06d}.jsonl", step + 1,
                       [run.problems[indices[slot // K]] for slot in claims.slots], claims.slots, trajs, K, kept)
     # ---------------------------------------------------------------- 7-8. old log-probs, policy update
-    # ... on micro-batch slots balanced over ranks by tokens (schedule.py: under `static`, each rank's own)
+    # ... on micro-batch slots balanced over ranks by tokens (plumbing/update_plan.py; under schedule `static`, each
+    # rank trains its own rollouts)
     t1 = time.perf_counter()
     run.peers.phase("update")
     if hasattr(run.sampler, "sleep"):
