@@ -69,14 +69,16 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from plumbing import cpu_threads
-from plumbing.checkpoint import atomic_write_text, config_changes, filter_jsonl, read_jsonl_rows, run_identity
-from plumbing.config import check_ranges, format_config, parse_cli, save_config
-from plumbing.data import check_model_path, load_pretrained, load_problems, write_jsonl
-from protocol import DEFAULT_USER_INSTRUCTION, IM_END, TOOL_NAME, chat_format_of, parse_tool_call
+from plumbing.checkpoint import atomic_write_text
+from plumbing.config import format_config, parse_cli, save_config
+from plumbing.data import check_model_path, load_problems, write_jsonl
+from plumbing.eval_config import CONTINUE_FREE, EvalConfig, check_config, check_launch  # noqa: F401
+from plumbing.eval_run import (barrier, eval_identity, finished_benchmarks, gather_to_main, keep_trajectories,
+                               load_model, problem_share, rank_seed, start_ranks, unsolved_from)
+from protocol import chat_format_of, parse_tool_call
 from tools.report import write_report
 from reward import default_pool, extract_answer, is_equivalent, score_trajectories
 from rollout import rollout, trajectory_record
@@ -90,88 +92,6 @@ USAGE = """Evaluate a checkpoint: pass@1 over k samples, pass@k, maj@k, tool and
   python eval.py configs/tiny/eval.yaml model_path=runs/tiny/sft/model
   python eval.py model_path=PATH benchmarks=[aime24,math500] samples=16 sampler=vllm
   python eval.py show TRAJECTORIES.jsonl INDEX                      # one trajectory, readably"""
-
-
-@dataclass
-class EvalConfig:
-    model_path: str = ""                  # a checkpoint folder (or hub id) loadable with from_pretrained
-    benchmarks: list[str] = field(default_factory=lambda: ["aime24", "aime25", "hmmt25", "math500"])  # paths/names
-    out_dir: str = "runs/eval"            # config.yaml, results.json, trajectories.jsonl
-    samples: int = 16                     # k samples per problem (report: 16)
-    temperature: float = 0.6              # report: 0.6 at evaluation (1.0 in training)
-    top_p: float = 1.0                    # report: 1.0
-    max_response_tokens: int = 30000      # response budget, tool text included (report: 30K at evaluation)
-    max_turns: int = 30                   # assistant turns (report: 30 at evaluation)
-    system_prompt: str = "default"        # a preset (default, compact, rstar2_public) or the text itself (protocol.py)
-    user_instruction: str = DEFAULT_USER_INSTRUCTION  # fills user_template's {instruction} slot ("" for none)
-    user_template: str = "default"        # the user turn: a preset (default, rstar2_public) or text with {problem}
-    tool_name: str = TOOL_NAME            # the name a call must give (public format: python_code_with_standard_io)
-    tool_required: list[str] = field(default_factory=lambda: ["code"])  # the arguments its schema marks required
-    tool_result_format: str = "default"   # how a result reads: default ("ok\n4\n") | rstar2_public ("Tool call ...")
-    newline_after_turn: bool = True       # "\n" after an assistant turn's <|im_end|> (the public agent loop: none)
-    sampler: str = "hf"                   # hf (our decode loop, CPU/GPU) | vllm (GPU; CPU too) | reference (slow)
-    attn_implementation: str = "auto"     # auto | sdpa | eager | flash_attention_2 | ... (plumbing/attention.py)
-                                          # hf and reference only (hf decodes with sdpa under flash); vllm: its own
-    batch_size: int = 64                  # rollouts per rollout() call; hf: also decoding slots (vllm: raise it)
-    sync_turns: bool = False              # turns wait for all the batch's tool calls (batches independent of timing)
-    limit: int = 0                        # first N problems of each benchmark (0: all), for quick runs
-    seed: int = 0
-    torch_threads: int = 0                # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
-    peer_timeout_s: float = 600.0         # a rank silent this long while others wait for its share stops them all
-    unsolved_out: str | None = None       # write problems solved < k of k times here (stage-3 data, report §4)
-    overwrite: bool = False               # replace an evaluation of another config or model found in out_dir
-    # --- code tool (report §3; public code: 4 s, 1,000 chars)
-    tool_workers: int = 4
-    tool_timeout: float = 4.0
-    tool_memory_mb: int = 512
-    tool_max_output_chars: int = 1000
-    tool_backend: str = "auto"            # auto | servers (Linux) | subprocess (portable, slower)
-    tool_require_isolation: bool = False  # refuse to start without namespaces, Landlock and seccomp
-    tool_error_format: str = "full"       # a failed call's text: full (compact traceback) | last_line (exception only)
-    # --- vLLM (sampler=vllm only)
-    vllm_tensor_parallel_size: int = 1
-    vllm_gpu_memory_utilization: float = 0.9
-    vllm_dtype: str = "bfloat16"
-    vllm_enforce_eager: bool = False      # no CUDA graphs / torch.compile (faster start; the CPU build's tests)
-
-
-# Allowed values of the numeric fields (config.check_ranges), checked by `check_config` before any work.
-RANGES = {
-    "samples": ">= 1", "temperature": ">= 0", "top_p": "> 0 and <= 1", "max_response_tokens": ">= 1",
-    "max_turns": ">= 1", "batch_size": ">= 1", "limit": ">= 0", "seed": ">= 0 and <= 4294967295",
-    "tool_workers": ">= 0", "tool_timeout": "> 0", "tool_memory_mb": ">= 1", "tool_max_output_chars": ">= 1",
-    "vllm_tensor_parallel_size": ">= 1", "vllm_gpu_memory_utilization": "> 0 and <= 1", "torch_threads": ">= 0",
-    "peer_timeout_s": "> 0",
-}
-
-
-SAMPLERS = ("hf", "vllm", "reference")  # config field `sampler`: samplers/hf.py, vllm_engine.py, reference.py
-
-
-def check_config(cfg: EvalConfig) -> None:
-    """Config errors that need no files (values out of range, unknown sampler, no model), before any work."""
-    problems = check_ranges(cfg, RANGES)
-    if cfg.sampler not in SAMPLERS:
-        problems.append(f"sampler must be hf, vllm or reference, got {cfg.sampler!r}")
-    if not cfg.model_path:
-        problems.append("model_path is required")
-    from plumbing import attention
-    if cfg.sampler != "vllm" and (attention_problem := attention.check(cfg.attn_implementation)):
-        problems.append(attention_problem)
-    from code_tool import ERROR_FORMATS
-    if cfg.tool_error_format not in ERROR_FORMATS:
-        problems.append(f"tool_error_format must be one of {ERROR_FORMATS}, got {cfg.tool_error_format!r}")
-    try:  # the chat format's fields (protocol.chat_format)
-        chat_format_of(cfg)
-    except ValueError as e:
-        problems.append(str(e))
-    if problems:
-        raise SystemExit("config error: " + "; ".join(problems))
-
-
-# Keys that may differ from the evaluation already in out_dir when continuing or re-reading it: they change no sample.
-CONTINUE_FREE = {"out_dir", "overwrite", "unsolved_out", "torch_threads", "tool_workers", "tool_backend",
-                 "tool_require_isolation", "vllm_gpu_memory_utilization", "peer_timeout_s"}
 
 
 # ============================================================================ metrics (pure)
@@ -312,116 +232,6 @@ def load_benchmark(spec: str) -> tuple[str, list[dict]]:
     return (path.stem if path != BENCHMARKS.get(spec) else spec), load_problems(path)
 
 
-# ============================================================================ the output folder
-def eval_identity(cfg: EvalConfig) -> dict:
-    """What results.json records of the evaluation: config, benchmark files' sha256, and the size and mtime of each
-    model file (a model retrained in place is another model; hashing 30 GB of weights would take minutes)."""
-    identity = run_identity(cfg, [benchmark_file(b) for b in cfg.benchmarks])
-    folder = Path(cfg.model_path)
-    identity["model_files"] = {str(p.relative_to(folder)): [p.stat().st_size, p.stat().st_mtime_ns]
-                               for p in sorted(folder.rglob("*")) if p.is_file()} if folder.is_dir() else None
-    return identity
-
-
-def finished_benchmarks(out: Path, cfg: EvalConfig, identity: dict) -> dict:
-    """The metrics of the benchmarks an earlier run finished in out_dir with this config and model (kept, not
-    redone); {} for a new folder or with overwrite=true. Any other evaluation there is refused."""
-    path = out / "results.json"
-    if not path.is_file() or cfg.overwrite:
-        return {}
-    saved = json.loads(path.read_text())
-    if "identity" not in saved:
-        changes = {"config": "not recorded"}
-    else:
-        changes = config_changes(saved["identity"], identity, CONTINUE_FREE)
-        if saved["identity"].get("model_files") != identity["model_files"]:
-            changes["model files"] = f"{cfg.model_path} changed since"
-    if changes:
-        raise SystemExit(f"eval: {out} holds another evaluation ({'; '.join(f'{k}: {v}' for k, v in changes.items())})"
-                         f"; use another out_dir, or overwrite=true to replace it")
-    return saved["benchmarks"]
-
-
-def keep_trajectories(path: Path, benchmarks) -> None:
-    """Cut trajectories.jsonl back to the lines of the finished `benchmarks` (a kill may have left part of the next
-    one, or a damaged last line), replacing the file atomically when anything goes."""
-    filter_jsonl(path, lambda row: row.get("benchmark") in benchmarks)
-
-
-def unsolved_from(path: Path, benches: list[tuple[str, list[dict]]], k: int) -> list[dict]:
-    """`unsolved` over every benchmark, read back from trajectories.jsonl (finished earlier or in this run)."""
-    correct = {}
-    for _, r in read_jsonl_rows(path):
-        key = (r["benchmark"], r["problem_index"])
-        correct[key] = correct.get(key, 0) + (r["reward"] == 1)
-    return [p for name, problems in benches for i, p in enumerate(problems) if correct.get((name, i), 0) < k]
-
-
-# ============================================================================ ranks (torchrun / accelerate launch)
-def check_launch(cfg: EvalConfig) -> None:
-    """Config errors that depend on the launch: vLLM's external launcher makes the ranks of one tensor-parallel
-    group share an engine, which must then get the same prompts; here every rank plays its own problems."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1 and cfg.sampler == "vllm" and cfg.vllm_tensor_parallel_size > 1:
-        raise SystemExit(f"config error: vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size} under a launcher "
-                         f"with {world} processes; launch one process (its engine spans the GPUs) or use "
-                         "vllm_tensor_parallel_size=1 (one engine per rank)")
-
-
-def start_ranks() -> tuple[int, int]:
-    """(rank, world size): (0, 1) for a plain `python eval.py`; under torchrun / accelerate launch with several
-    processes, the process group is set up here (Accelerate's PartialState: gloo on CPU, NCCL on GPU, each rank
-    on its LOCAL_RANK's GPU). A rank that is done waits in the next gather for the slowest one, so the group's
-    timeout is the trainer's (plumbing/accel.py), not torch's 10 minutes."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world <= 1:
-        return 0, 1
-    from datetime import timedelta
-    import torch
-    from accelerate import PartialState
-    from plumbing.accel import PROCESS_GROUP_TIMEOUT_S, start_process_group
-    start_process_group(PROCESS_GROUP_TIMEOUT_S)
-    # cpu=True without a GPU: the only way PartialState sets up gloo across CPU processes
-    state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
-    if state.num_processes != world:  # every rank would evaluate everything and append to the same file
-        raise SystemExit(f"eval: WORLD_SIZE={world} but the process group has {state.num_processes} process(es)")
-    return state.process_index, state.num_processes
-
-
-def rank_of_process() -> tuple[int, int]:
-    """(rank, world size) of the process group `start_ranks` set up; (0, 1) without one."""
-    import torch.distributed as dist
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
-
-
-def problem_share(count: int, rank: int, world: int) -> list[int]:
-    """The indices of the problems `rank` plays: rank, rank + world, ... (every problem on exactly one rank; none
-    when there are more ranks than problems). Whole problems, so a problem's k samples are summarized together."""
-    return list(range(rank, count, world))
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """The sampling seed of `rank`: seed + rank, kept within the 32 bits numpy's seeding takes."""
-    return (seed + rank) % 2**32
-
-
-def barrier(world: int) -> None:
-    """Wait for every rank (nothing to wait for on one process)."""
-    if world > 1:
-        import torch.distributed as dist
-        dist.barrier()
-
-
-def gather_to_main(obj, rank: int, world: int) -> list | None:
-    """Every rank's `obj`, in rank order, on the main process (rank 0); None on the others."""
-    if world == 1:
-        return [obj]
-    import torch.distributed as dist
-    gathered = [None] * world if rank == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
-    return gathered
-
-
 def record_scores(record: dict):
     """What `summarize` reads of a rollout, back from its trajectories.jsonl record: the ranks send records (no
     token ids) to the main process, which summarizes the whole benchmark. response_ids is a range of the right
@@ -479,36 +289,6 @@ def show(path, index: int) -> str:
     return "\n".join(out)
 
 
-def load_model(cfg: EvalConfig):
-    """(sampler, tokenizer) for the config: transformers on the GPU if there is one (else CPU), or vLLM; under a
-    launcher, on the rank's GPU."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from samplers.hf import HFSampler
-    from samplers.reference import ReferenceSampler
-    from samplers.vllm_engine import VLLMSampler
-    from plumbing import attention
-    try:
-        tokenizer = load_pretrained(AutoTokenizer, cfg.model_path)
-        model = None if cfg.sampler == "vllm" else load_pretrained(
-            AutoModelForCausalLM, cfg.model_path, torch_dtype="auto", **attention.load_kwargs(cfg.attn_implementation))
-    except ValueError as e:
-        raise SystemExit(f"input error: {e}") from None
-    rank, world = rank_of_process()
-    if cfg.sampler == "vllm":
-        # Under a launcher, one engine per rank on the rank's own GPU (vLLM's external launcher), seeded seed + rank.
-        launcher = {"distributed_executor_backend": "external_launcher"} if world > 1 else {}
-        return VLLMSampler(cfg.model_path, im_end_id=tokenizer.convert_tokens_to_ids(IM_END),
-                           seed=rank_seed(cfg.seed, rank), tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-                           dtype=cfg.vllm_dtype, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                           enforce_eager=cfg.vllm_enforce_eager, enable_sleep_mode=False,  # nothing trains here
-                           **launcher), tokenizer
-    model.to("cuda" if torch.cuda.is_available() else "cpu")  # "cuda": the rank's GPU (PartialState set it)
-    if cfg.sampler == "reference":
-        return ReferenceSampler(model, tokenizer), tokenizer
-    return HFSampler(model, tokenizer, batch_size=cfg.batch_size), tokenizer
-
-
 def run(cfg: EvalConfig) -> dict | None:
     """The command-line evaluation: every benchmark, results.json, trajectories.jsonl, unsolved_out.
     Inputs are checked before out_dir is touched. A benchmark is finished when results.json names it (written after
@@ -539,7 +319,7 @@ def evaluate_benchmarks(cfg: EvalConfig) -> dict | None:
     names = [n for n, _ in benches]
     benches = [(n if names.count(n) == 1 else spec, probs[:cfg.limit] if cfg.limit else probs)
                for (n, probs), spec in zip(benches, cfg.benchmarks)]  # two files named test.jsonl: use the paths
-    identity = eval_identity(cfg)
+    identity = eval_identity(cfg, [benchmark_file(b) for b in cfg.benchmarks])
     results = finished_benchmarks(out, cfg, identity)
     rank, world = start_ranks()
     barrier(world)  # every rank knows what is finished before the main process rewrites out_dir

@@ -56,11 +56,9 @@ tokenizer, at the end).
 """
 import contextlib
 import functools
-import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from plumbing import cpu_threads  # noqa: F401  (first: it sets OpenMP's wait policy, which is read when torch loads)
@@ -72,12 +70,13 @@ from tqdm import tqdm
 
 from plumbing import accel
 from plumbing import attention, lora
-from plumbing.checkpoint import (STATE_FILE, begin_run, input_dtype, latest_checkpoint, load_checkpoint, resume_point,
-                        run_identity, save_checkpoint, save_model)
-from plumbing.config import check_ranges, format_config, parse_cli, save_config, tracker_config
+from plumbing.checkpoint import begin_run, input_dtype, resume_point, run_identity, save_checkpoint, save_model
+from plumbing.config import check_ranges, format_config, parse_cli, save_config
 from plumbing.data import check_model_path, load_conversations, load_pretrained
-from plumbing.lora import DEFAULT_TARGETS
-from protocol import DEFAULT_USER_INSTRUCTION, TOOL_NAME, chat_format_of, encode
+from plumbing.sft_config import RANGES, RESUME_FREE, SFTConfig
+from plumbing.sft_run import (interval_row, log_step, make_accelerator, resume, saved_position, stop_unless_finite,
+                              window_share)
+from protocol import chat_format_of, encode
 
 IGNORE = -100  # label of a token that is not trained (PyTorch cross_entropy's ignore_index)
 
@@ -85,74 +84,6 @@ USAGE = """Non-reasoning SFT (loss on the assistant's tokens only).
   python sft.py [CONFIG.yaml ...] [key=value ...]
   python sft.py configs/tiny/sft.yaml max_steps=100
   accelerate launch --num_processes 8 sft.py configs/qwen3-14b/sft.yaml          # data-parallel"""
-
-
-@dataclass
-class SFTConfig:
-    model_path: str = ""  # base model: a save_pretrained folder (or a hub id, e.g. Qwen/Qwen3-14B-Base)
-    data: str = ""  # JSONL of {"messages": [...]} conversations
-    out_dir: str = "runs/sft"  # config.yaml, metrics.jsonl and model/ go here
-    epochs: int = 3  # report: 3
-    lr: float = 5e-6  # report: 5e-6 (peak, after warm-up)
-    warmup_ratio: float = 0.04  # report: 4% of steps, linear from 0
-    decay_ratio: float = 1.0  # the cosine decay's share of the steps after warm-up (report: all; less holds the peak)
-    batch_size: int = 128  # report: 128 sequences per optimizer step (global, all ranks)
-    micro_batch_size: int = 4  # sequences per forward pass per rank
-    max_seq_len: int = 8192  # longer conversations are skipped (and counted)
-    group_by_length: bool = True  # micro-batches of similar length (less padding); False: plain shuffle
-    packing: bool = False  # each micro-batch's conversations packed into fewer rows (`pack`); the same loss
-    weight_decay: float = 0.0  # AdamW; report: not stated
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    grad_clip: float = 1.0  # max global grad norm; report gives 1.0 for RL, nothing for SFT
-    seed: int = 0
-    system_prompt: str = "default"  # a preset (default, compact, rstar2_public) or the text itself (protocol.py)
-    user_instruction: str = DEFAULT_USER_INSTRUCTION  # fills user_template's {instruction} slot ("" for none)
-    user_template: str = "default"  # the user turn: a preset (default, rstar2_public) or a text with {problem}
-    tool_name: str = TOOL_NAME  # the tool the conversations' calls name (public format: python_code_with_standard_io)
-    tool_required: list[str] = field(default_factory=lambda: ["code"])  # the arguments its schema marks required
-    tool_result_format: str = "default"  # the chat format's (train.py, eval.py); SFT data holds its results as text
-    newline_after_turn: bool = True  # "\n" after an assistant turn's <|im_end|> (the public agent loop writes none)
-    mixed_precision: str = "no"  # "no" or "bf16" (Accelerate autocast; the weights stay fp32 masters)
-    gradient_checkpointing: bool = False  # recompute each layer in the backward: activations of one layer, not all
-    attn_implementation: str = "auto"  # auto | sdpa | eager | flash_attention_2 | ... (plumbing/attention.py)
-                                       # auto: flash_attention_2 on a GPU with flash_attn, else sdpa
-    lora_rank: int = 0  # LoRA's r (lora.py); 0: no LoRA, every weight trains as fp32 masters
-    lora_alpha: float = 32.0  # the adapter's change is scaled by lora_alpha / lora_rank
-    lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))  # modules adapted: all linear
-    lora_dropout: float = 0.0  # dropout on the adapter's input (>0 makes the update's ratios noisy)
-    lora_from: str | None = None  # an adapter/ folder to continue; model_path is then the base it was on
-    log_every: int = 10  # optimizer steps between log lines
-    report_to: str | None = None  # None, "tensorboard" or "wandb"; a tracker that cannot start stops the run
-    process_group_timeout_s: float = accel.PROCESS_GROUP_TIMEOUT_S  # NCCL watchdog: a collective waits this long
-    init_timeout_s: float = accel.INIT_TIMEOUT_S  # every rank of a (re)started group joins within this
-    peer_timeout_s: float = accel.PEER_TIMEOUT_S  # a rank silent this long stops every rank (accel.py, point 7)
-    max_steps: int | None = None  # stop after this many optimizer steps (tests, smoke runs)
-    save_every: int = 0  # optimizer steps between checkpoints (0: none); a multiple of log_every
-    keep_checkpoints: int = 2  # newest checkpoints kept in out_dir
-    resume: str = "auto"  # "auto": continue from out_dir's latest checkpoint; "never"; or a checkpoint folder
-    resume_allow_changes: list[str] = field(default_factory=list)  # config keys that may differ from the checkpoint's
-    torch_threads: int = 0  # torch CPU threads; 0: as many as the free cores (cpu_threads.py)
-
-
-# Keys that may differ from the checkpoint's config on resume without `resume_allow_changes`: they change neither the
-# weights nor the logged numbers (trackers, checkpoint cadence). log_every is not free: it sets which steps' losses
-# each metrics line averages.
-RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "report_to", "save_every", "keep_checkpoints",
-               "torch_threads", "process_group_timeout_s", "init_timeout_s",
-               "peer_timeout_s"}
-
-
-# Allowed values of the numeric fields (config.check_ranges), checked by `check_inputs` before any work.
-RANGES = {
-    "epochs": ">= 1", "lr": "> 0", "warmup_ratio": ">= 0 and <= 1", "batch_size": ">= 1", "micro_batch_size": ">= 1",
-    "decay_ratio": "> 0 and <= 1", "max_seq_len": ">= 2", "weight_decay": ">= 0", "adam_beta1": ">= 0 and < 1",
-    "adam_beta2": ">= 0 and < 1",
-    "grad_clip": "> 0", "seed": ">= 0 and <= 4294967295", "log_every": ">= 1", "max_steps": ">= 1",
-    "save_every": ">= 0", "keep_checkpoints": ">= 1", "torch_threads": ">= 0", "process_group_timeout_s": "> 0",
-    "init_timeout_s": "> 0", "peer_timeout_s": "> 0",
-    "lora_rank": ">= 0", "lora_alpha": "> 0", "lora_dropout": ">= 0 and < 1",
-}
 
 
 # ----------------------------------------------------------------------------------- data (pure)
@@ -305,27 +236,7 @@ def windows(batches: LengthGroupedBatches, epochs: int, size: int, start: tuple[
             yield epoch, k, order[k * size:(k + 1) * size]
 
 
-# ----------------------------------------------------------------------------------- plumbing (ranks live here)
-def make_accelerator(cfg: SFTConfig) -> tuple[Accelerator, int]:
-    """The Accelerator (plumbing/accel.py: trackers, process-group timeout, FSDP2 policy) and the micro-batches each rank
-    runs per optimizer step (micro_batch_size * that * world_size == batch_size)."""
-    acc = accel.make_accelerator(mixed_precision=cfg.mixed_precision, report_to=cfg.report_to, out_dir=cfg.out_dir,
-                                 timeout_s=cfg.process_group_timeout_s, init_timeout_s=cfg.init_timeout_s)
-    per_step = cfg.micro_batch_size * acc.num_processes
-    if cfg.batch_size % per_step:
-        raise SystemExit(f"sft: batch_size={cfg.batch_size} is not a multiple of micro_batch_size * world_size "
-                         f"= {cfg.micro_batch_size} * {acc.num_processes}")
-    if cfg.report_to:
-        acc.init_trackers("sft", config=tracker_config(cfg))
-    return acc, cfg.batch_size // per_step
-
-
-def window_share(window: list, rank: int, world: int) -> tuple[list, int]:
-    """This rank's micro-batches of a window (the window's r, r+P, r+2P, ...) and how many micro-batches every rank
-    runs: the most any rank has, so that all join every collective (the others run fillers)."""
-    return window[rank::world], math.ceil(len(window) / world)
-
-
+# ----------------------------------------------------------------------------------- one optimizer step (every rank)
 def accumulate_window(acc: Accelerator, model, window: list, examples: list, collate_fn, per_rank: int,
                       sharded: bool) -> tuple[list, int]:
     """Forward and backward of this rank's share of one optimizer step's window; returns the real micro-batches'
@@ -370,62 +281,6 @@ def optimizer_step(acc: Accelerator, model, optimizer, scheduler, cfg: SFTConfig
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad()
-
-
-def log_step(acc: Accelerator, metrics_path: Path, row: dict, bar) -> None:
-    """Write one metrics line (main process only), send it to the tracker, and print one readable line."""
-    if acc.is_main_process:
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        bar.write(f"step {row['step']:>5} | epoch {row['sft/epoch']:.2f} | loss {row['sft/loss']:.4f} | "
-                  f"lr {row['sft/lr']:.2e} | {row['perf/tokens_per_s']:,.0f} tok/s")
-    if acc.log_with:
-        acc.log(row, step=row["step"])
-
-
-def interval_row(acc: Accelerator, step: int, losses: list, tokens: int, lr: float, steps_per_epoch: int,
-                 seconds: float) -> dict:
-    """The metrics line of the steps since the last one: the loss averaged over every rank's real micro-batches of
-    the interval (fillers are not counted; sums in float64), tokens per second over all ranks."""
-    sums = torch.tensor([0.0, len(losses), tokens], dtype=torch.float64, device=acc.device)
-    if losses:
-        sums[0] = torch.stack(losses).double().sum()
-    total, count, all_tokens = acc.reduce(sums, reduction="sum").tolist()
-    return {"step": step, "sft/loss": total / max(count, 1), "sft/lr": lr, "sft/epoch": step / steps_per_epoch,
-            "perf/tokens_per_s": all_tokens / seconds, "perf/seconds": seconds}
-
-
-def stop_unless_finite(acc: Accelerator, losses: list, grad_norm, step: int, out: Path) -> None:
-    """Stop the run, on every rank together, when a loss since the last log line or the gradient norm is NaN or
-    infinite: the weights are not updated, and the last checkpoint stays the newest."""
-    values = torch.stack([x.float().to(acc.device) for x in losses]
-                         + [torch.as_tensor(grad_norm, dtype=torch.float).to(acc.device)])
-    bad = acc.reduce((~torch.isfinite(values)).any().float(), reduction="sum")  # every rank gets the same answer
-    if bad.item() > 0:
-        raise SystemExit(f"sft: the loss or gradient norm is not finite at step {step}; stopped before updating "
-                         f"the weights. The last good checkpoint: {latest_checkpoint(out) or 'none yet'}")
-
-
-def saved_position(checkpoint: Path | None) -> None:
-    """Refuse, in one line, a checkpoint whose data position counts one rank's micro-batches (written before the
-    position was made independent of the number of processes): it cannot be placed in the global order."""
-    if checkpoint is not None and "windows_in_epoch" not in json.loads((checkpoint / STATE_FILE).read_text()):
-        raise SystemExit(f"resume error: {checkpoint} records its data position as one rank's micro-batches (an "
-                         f"earlier sft.py), which this one cannot place; start over in another out_dir")
-
-
-def resume(acc: Accelerator, checkpoint: Path | None, steps_per_epoch: int, window: int) -> tuple[int, tuple]:
-    """(step, (epoch, windows done in it)) to start from: (0, (0, 0)), or the checkpoint's, with model, optimizer,
-    lr schedule and RNG states restored."""
-    if checkpoint is None:
-        return 0, (0, 0)
-    state = load_checkpoint(acc, checkpoint)
-    epoch, done = state["epoch"], state["windows_in_epoch"]
-    if done >= steps_per_epoch:  # the checkpoint closed its epoch
-        epoch, done = epoch + 1, 0
-    acc.print(f"sft: resumed from {checkpoint} at step {state['step']} (epoch {epoch}, {done * window} micro-batches "
-              f"in)")
-    return state["step"], (epoch, done)
 
 
 # ----------------------------------------------------------------------------------- main

@@ -75,8 +75,10 @@ def test_the_algorithm_path_reads_in_one_sitting():
     assert sum(counts.values()) <= ALGORITHM_PATH_MAX_LINES, counts
 
 
-def test_each_concept_module_reads_as_its_concept_in_450_lines():
-    """The machinery a concept stands on (the tool's backends, the reward's process pool, the tokenizer's side of
-    the protocol) lives in plumbing/, so each concept module stays short enough to read whole."""
-    lengths = {name: len((ROOT / f"{name}.py").read_text().splitlines()) for name in sorted(CONCEPTS)}
+def test_each_top_level_module_reads_as_its_concept_in_450_lines():
+    """The machinery a concept or a command stands on (the tool's backends, the reward's process pool, the
+    tokenizer's side of the protocol; SFT's and the evaluation's configs, ranks and output folders) lives in
+    plumbing/, so each top-level module, concept or command, stays short enough to read whole."""
+    lengths = {p.stem: len(p.read_text().splitlines()) for p in sorted(ROOT.glob("*.py"))}
+    assert set(lengths) == CONCEPTS | COMMANDS
     assert max(lengths.values()) <= 450, lengths
