@@ -107,6 +107,7 @@ def train_step(step: int, cfg: TrainConfig, run: Stage) -> dict:
                              cfg.max_tokens_per_micro_batch, cfg.micro_batch_size, cfg.schedule,
                              layout_for(cfg.max_tokens_per_micro_batch, run.one_row))
     # each mini-batch's loss divides by its kept rollouts' sampled tokens summed over ALL ranks and micro-batches
+    # (by their number under loss_agg: sequence)
     normalisers = minibatch_normalisers(scores, kept, cfg)
     lr = run.scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
     sums = {k if "/" in k else f"loss/{k}": v for k, v in update_policy(
