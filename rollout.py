@@ -28,6 +28,9 @@ calls of the batch before generation goes on: which requests share a step (and s
 sampled) then does not depend on how fast the tool answered; slower, for exact reruns. Across ranks, `more` takes
 further prompts as rollouts end (schedule.py claims them from the step's shared counter).
 
+`trajectory_record` writes a finished rollout as one readable JSON line, without token ids (eval.py's
+trajectories.jsonl, the RL stage's saved rollouts); `rollout_sums` its statistics for the log.
+
 Left out: more than one call per turn (only the first runs, as the report says) and per-turn token limits.
 """
 from concurrent.futures import FIRST_COMPLETED, Future, wait
