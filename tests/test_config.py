@@ -180,7 +180,8 @@ def test_check_ranges_names_the_key_the_rule_and_the_value():
 
 
 ENTRY_CLASSES = {"train": "TrainConfig", "sft": "SFTConfig", "eval": "EvalConfig"}
-CONFIG_MODULES = {"train": "plumbing.train_config", "sft": "sft", "eval": "eval"}  # where each entry's config lives
+# where each entry's config lives
+CONFIG_MODULES = {"train": "plumbing.train_config", "sft": "plumbing.sft_config", "eval": "plumbing.eval_config"}
 UNCHECKED = {"stage"}  # TrainConfig.stage is a label in the log, any integer will do
 
 
