@@ -153,15 +153,16 @@ def test_eval_vllm_tensor_parallel_under_a_launcher_is_a_config_error(tmp_path, 
 
 
 def test_eval_vllm_under_a_launcher_is_one_engine_per_rank_seeded_seed_plus_rank(tmp_path, monkeypatch):
-    """vLLM is not installed here: the arguments load_model gives VLLMSampler on rank 1 of 2."""
+    """vLLM is not installed here: the arguments load_model (plumbing/eval_run.py) gives VLLMSampler on rank 1 of 2."""
+    from plumbing import eval_run
     from samplers import vllm_engine
     from tiny.model import build_tokenizer
     build_tokenizer().save_pretrained(tmp_path / "model")
     built = []
     monkeypatch.setattr(vllm_engine, "VLLMSampler", lambda *args, **kwargs: built.append(kwargs) or "engine")
-    monkeypatch.setattr(ev, "rank_of_process", lambda: (1, 2))
+    monkeypatch.setattr(eval_run, "rank_of_process", lambda: (1, 2))
     ev.load_model(ev.EvalConfig(model_path=str(tmp_path / "model"), sampler="vllm", seed=3))
-    monkeypatch.setattr(ev, "rank_of_process", lambda: (0, 1))
+    monkeypatch.setattr(eval_run, "rank_of_process", lambda: (0, 1))
     ev.load_model(ev.EvalConfig(model_path=str(tmp_path / "model"), sampler="vllm", seed=3))
     assert (built[0]["seed"], built[0]["distributed_executor_backend"]) == (4, "external_launcher")
     assert built[1]["seed"] == 3 and "distributed_executor_backend" not in built[1]
