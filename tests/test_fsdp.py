@@ -43,7 +43,7 @@ def train_args(tiny, out, steps):
 
 
 def run(cmd, env):
-    launch = cmd + ["--main_process_port", str(free_port())]
+    launch = cmd if cmd == [sys.executable] else cmd + ["--main_process_port", str(free_port())]
     return subprocess.run(launch + [str(SCRIPT)] + env.pop("ARGS"), env=env, cwd=ROOT, capture_output=True, text=True)
 
 
