@@ -540,7 +540,7 @@ def test_train_py_on_a_bf16_engine_logs_its_gap(tiny, product_data, tmp_path):
     assert row["mismatch/k3_kl"] > 0 and 0 < row["mismatch/seq_ess_frac"] < 1
 
 
-def train_py_with_update(tiny, data, out, update: str):
+def train_py_with_update(tiny, data, out, update: str, *extra):
     """train.py on the engine, its `VLLMSampler.update_weights(self, model)` replaced by `update`, which may call
     the real one as `real(self, weights)`."""
     script = f"""import sys, train
@@ -551,16 +551,17 @@ real, sent = VLLMSampler.update_weights, []
 VLLMSampler.update_weights = update
 accel.run_and_exit(lambda: train.main(sys.argv[1:]))
 """
-    return subprocess.run([sys.executable, "-c", script] + train_args(tiny, data, out)[1:], cwd=ROOT, env=ENV,
+    return subprocess.run([sys.executable, "-c", script] + train_args(tiny, data, out, *extra)[1:], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=600)
 
 
-def test_train_py_stops_after_one_step_when_the_engine_skips_updates(tiny, say_data, tmp_path):
+def test_train_py_stops_after_one_step_when_the_engine_skips_updates(tiny, product_data, tmp_path):
     """The start's hand-off arrives, step 1's is dropped silently: the check after step 1 stops the run with one
-    line, the last on stderr."""
-    done = train_py_with_update(tiny, say_data, tmp_path / "run", """def update(self, model):
+    line, the last on stderr. Step 1 must change the weights (mixed groups: product_data), since a step that keeps
+    nothing takes no optimizer step and leaves the engine's weights right."""
+    done = train_py_with_update(tiny, product_data, tmp_path / "run", """def update(self, model):
     if not sent:
-        sent.append(real(self, model))""")
+        sent.append(real(self, model))""", *GROUPS)
     assert done.returncode == 1
     assert "hand-off error after step 1: " in done.stderr.splitlines()[-1], done.stderr[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
