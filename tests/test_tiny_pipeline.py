@@ -229,7 +229,7 @@ def test_the_final_model_is_the_rl_stage_best_on_the_validation_split():
 
 
 def test_seeds_json_keeps_the_seeds_of_earlier_commands_into_the_same_root(tmp_path, monkeypatch, capsys):
-    def fake_run_seed(root, args, seed, sandbox):  # a summary whose numbers name the seed and the call
+    def fake_run_seed(root, args, seed, sandbox, recipe=None):  # a summary whose numbers name the seed and the call
         calls.append(seed)
         acc = 0.1 * seed + 0.01 * len(calls)
         return {"sft_accuracy": 0.0, "stage1_accuracy": acc, "stage2_accuracy": acc, "stage3_accuracy": acc,

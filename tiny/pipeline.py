@@ -42,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -59,6 +60,31 @@ QUICK = {
               "save_every=1", "save_rollouts_every=2"],
     "eval": ["limit=4", "samples=2"],
 }
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What one model's pipeline names; the stages, their order and their guard are the same for every recipe.
+    `tiny` (below) is the built-in model and task; smol/pipeline.py holds the SmolLM2-135M one."""
+    name: str                   # the default run folder is runs/<name>
+    configs: str                # the folder of sft.yaml, stage{1,2,3}.yaml (lora_stageN.yaml) and eval.yaml
+    base: list = field(default_factory=list)    # the base model's step: its command, "{root}" and "{seed}" filled
+    base_model: str = "{root}/base"             # where that step leaves the model
+    task: list = field(default_factory=list)    # the task's step: its command, "{data}", "{backend}", "{seed}"
+    quick_task: list = field(default_factory=list)  # --quick: the task's smaller sizes
+    rl_data: tuple = ("train_level1.jsonl", "train_level2.jsonl")  # stages 1 and 2 train on these (data/)
+    unsolved_from: str = "train_level2.jsonl"   # stage 3's data: the problems of this file stage 2 did not solve
+    unsolved_limit: int = 200                   # ... of its first this many
+    group_by: tuple = ("level",)                # the test rows' fields whose pass@1 summary.json breaks down
+    transfer: str | None = None                 # a family of the test split no training step saw: its own line
+
+    def fill(self, cmd: list, **values) -> list[str]:
+        return [str(part).format(**values) for part in cmd]
+
+
+TINY = Recipe("tiny", "configs/tiny", base=["-m", "tiny.model", "{root}/base", "--seed", "{seed}"],
+              task=["-m", "tiny.task", "{data}", "--tool-backend", "{backend}", "--seed", "{seed}"],
+              quick_task=QUICK["task"])
 # --sampler vllm: overrides for train.py and eval.py (fp32 and eager: the tiny model on vLLM's CPU build).
 VLLM = ["sampler=vllm", "vllm_dtype=float32", "vllm_enforce_eager=true"]
 
@@ -168,12 +194,12 @@ class Commands:
 
 
 def evaluate(root: Path, name: str, model: Path, quick: bool, engine: list[str], commands: Commands,
-             beside: bool, split: str = "test") -> None:
+             beside: bool, split: str = "test", recipe: Recipe = TINY) -> None:
     """eval.py on a split of the task (`test`: the held-out split, into eval_<name>; `val`: the validation split,
     into val_<name>) for one stage's model (`model`: that step's marker); `eval_results` reads it.
     engine: overrides for every train.py and eval.py run (the tool's backend, the sampler, seed and threads)."""
     out = root / f"{'eval' if split == 'test' else split}_{name}"
-    step(out, ["eval.py", "configs/tiny/eval.yaml", f"model_path={root / name / 'model'}", f"out_dir={out}",
+    step(out, ["eval.py", f"{recipe.configs}/eval.yaml", f"model_path={root / name / 'model'}", f"out_dir={out}",
                f"benchmarks=[{root / 'data' / f'{split}.jsonl'}]", *engine] + (QUICK["eval"] if quick else []),
          after=[model, root / "data" / "step.json"], commands=commands, beside=beside)
 
@@ -199,7 +225,8 @@ def guard_stages(results: dict, val: dict) -> tuple[dict, dict]:
     return {**results, "stage3": results[final]}, record
 
 
-def stage_inputs(root: Path, stage: int, previous: str, lora: bool) -> tuple[str, Path, list[str]]:
+def stage_inputs(root: Path, stage: int, previous: str, lora: bool,
+                 configs: str = "configs/tiny") -> tuple[str, Path, list[str]]:
     """(config, model_path, extra arguments) of an RL stage. Stage 2 carries stage 1's AdamW state; stage 3 starts
     a fresh optimizer (report §4). With LoRA (configs/tiny/lora_stageN.yaml) stage 2 also carries stage 1's
     adapter, on the model stage 1 adapted (the SFT model), and stage 3 a fresh adapter on stage 2's merged model."""
@@ -210,47 +237,53 @@ def stage_inputs(root: Path, stage: int, previous: str, lora: bool) -> tuple[str
         if lora:
             model = root / "sft" / "model"
             extra.append(f"lora_from={root / 'stage1' / 'adapter'}")
-    return f"configs/tiny/{'lora_' if lora else ''}{name}.yaml", model, extra
+    return f"{configs}/{'lora_' if lora else ''}{name}.yaml", model, extra
 
 
 def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto", sampler: str = "hf",
-             seed: int = 0, threads: int | None = None, sync_turns: bool = False, lora: bool = False) -> dict:
+             seed: int = 0, threads: int | None = None, sync_turns: bool = False, lora: bool = False,
+             recipe: Recipe = TINY) -> dict:
     """Every step into `root`; `seed` seeds the model's initialisation, the task's data, SFT, each RL stage and
     each evaluation; `threads`, when given, is every command's torch_threads (else the configs' own); `sync_turns`
     makes every rollout's batches independent of the tool's timing (train.py's and eval.py's field), so a seeded run
-    prints the same table every time; `lora`: the RL stages train a LoRA adapter (configs/tiny/lora_stageN.yaml)."""
+    prints the same table every time; `lora`: the RL stages train a LoRA adapter (configs/tiny/lora_stageN.yaml);
+    `recipe`: the model, task and configs (TINY, or smol/pipeline.py's SMOL)."""
     data = root / "data"
     common = [f"seed={seed}"] + ([f"torch_threads={threads}"] if threads is not None else [])
     engine = ([f"tool_backend={backend}", *common] + (VLLM if sampler == "vllm" else [])
               + (["sync_turns=true"] if sync_turns else []))
-    base = step(root / "base", ["-m", "tiny.model", str(root / "base"), "--seed", str(seed)], commands=commands)
-    task = step(data, ["-m", "tiny.task", str(data), "--tool-backend", backend, "--seed", str(seed)]
-                + (QUICK["task"] if quick else []), commands=commands)
-    done = {"sft": step(root / "sft", ["sft.py", "configs/tiny/sft.yaml", f"model_path={root / 'base'}",
+    base = step(root / "base", recipe.fill(recipe.base, root=root, seed=seed), commands=commands)
+    task = step(data, recipe.fill(recipe.task, data=data, backend=backend, seed=seed)
+                + (recipe.quick_task if quick else []), commands=commands)
+    base_model = recipe.base_model.format(root=root)
+    done = {"sft": step(root / "sft", ["sft.py", f"{recipe.configs}/sft.yaml", f"model_path={base_model}",
                                        f"data={data / 'sft.jsonl'}", f"out_dir={root / 'sft'}", *common]
                         + (QUICK["sft"] if quick else []), after=[base, task], commands=commands)}
     # Stages 1 and 2 train on all problems, as the report's (they differ in budget and steps); stage 3 on the hardest.
-    both = [data / "train_level1.jsonl", data / "train_level2.jsonl"]
+    both = [data / name for name in recipe.rl_data]
     stage_data = {1: both, 2: both, 3: [data / "stage3.jsonl"]}
     previous = "sft"
     for stage in (1, 2, 3):
         name = f"stage{stage}"
         # The previous model's held-out evaluation runs beside this stage (one torch thread each).
-        evaluate(root, previous, done[previous], quick, engine, commands, beside=True)
+        evaluate(root, previous, done[previous], quick, engine, commands, beside=True, recipe=recipe)
         after = [done[previous], task]
         if stage == 3:
             # Stage 3's data: problems the stage-2 policy did not solve k of k times (report: 8 of 8).
             after.append(step(root / "unsolved_stage2", [
-                "eval.py", "configs/tiny/eval.yaml", f"model_path={root / 'stage2' / 'model'}",
-                f"out_dir={root / 'unsolved_stage2'}", f"benchmarks=[{data / 'train_level2.jsonl'}]",
+                "eval.py", f"{recipe.configs}/eval.yaml", f"model_path={root / 'stage2' / 'model'}",
+                f"out_dir={root / 'unsolved_stage2'}", f"benchmarks=[{data / recipe.unsolved_from}]",
                 "samples=4", "temperature=1.0", f"unsolved_out={data / 'stage3.jsonl'}", *engine]
-                + (["limit=6", "samples=2"] if quick else ["limit=200"]), after=[done["stage2"], task],
+                + (["limit=6", "samples=2"] if quick else [f"limit={recipe.unsolved_limit}"]),
+                after=[done["stage2"], task],
                 commands=commands))
             # Stage 2's model on the validation split, beside stage 3's training (for guard_stages).
-            evaluate(root, "stage2", done["stage2"], quick, engine, commands, beside=True, split="val")
+            evaluate(root, "stage2", done["stage2"], quick, engine, commands, beside=True, split="val",
+                     recipe=recipe)
         if stage == 2:  # stage 1's model on the validation split, beside stage 2's training (for guard_stages)
-            evaluate(root, "stage1", done["stage1"], quick, engine, commands, beside=True, split="val")
-        config, model, extra = stage_inputs(root, stage, previous, lora)
+            evaluate(root, "stage1", done["stage1"], quick, engine, commands, beside=True, split="val",
+                     recipe=recipe)
+        config, model, extra = stage_inputs(root, stage, previous, lora, recipe.configs)
         # Held-out curves during stage 1 only; every stage's final model is evaluated with eval.py.
         evals = [f"eval_data={data / 'test.jsonl'}"] if stage == 1 else []
         cmd = ["train.py", config, f"model_path={model}", "data=[" + ",".join(map(str, stage_data[stage])) + "]",
@@ -259,8 +292,8 @@ def pipeline(root: Path, quick: bool, commands: Commands, backend: str = "auto",
                           commands=commands)
         commands.join()
         previous = name
-    evaluate(root, "stage3", done["stage3"], quick, engine, commands, beside=True, split="val")
-    evaluate(root, "stage3", done["stage3"], quick, engine, commands, beside=False)
+    evaluate(root, "stage3", done["stage3"], quick, engine, commands, beside=True, split="val", recipe=recipe)
+    evaluate(root, "stage3", done["stage3"], quick, engine, commands, beside=False, recipe=recipe)
     commands.join()
     val = {s: eval_results(root, s, "val")["pass@1"] for s in RL_STAGES}
     return guard_stages({s: eval_results(root, s) for s in STAGES}, val)
@@ -345,9 +378,10 @@ def plot_stages(results: dict, png) -> None:
     plt.close(fig)
 
 
-def level_accuracy(root: Path, name: str) -> dict:
-    """pass@1 of a stage's held-out evaluation per task level (test.jsonl's `level`), from its trajectories."""
-    levels = [json.loads(line)["level"] for line in (root / "data" / "test.jsonl").read_text().splitlines()]
+def level_accuracy(root: Path, name: str, key: str = "level") -> dict:
+    """pass@1 of a stage's held-out evaluation per value of a test row's field (test.jsonl's `level`, or the smol
+    task's `family`), from its trajectories."""
+    levels = [json.loads(line)[key] for line in (root / "data" / "test.jsonl").read_text().splitlines()]
     sums = {}
     for line in (root / f"eval_{name}" / "trajectories.jsonl").read_text().splitlines():
         row = json.loads(line)
@@ -395,12 +429,12 @@ def earlier_seeds(path: Path) -> dict:
     return {int(k): v for k, v in json.loads(path.read_text())["seeds"].items()}
 
 
-def run_seed(root: Path, args, seed: int, sandbox: str) -> dict:
+def run_seed(root: Path, args, seed: int, sandbox: str, recipe: Recipe = TINY) -> dict:
     """The pipeline for one seed into `root`; its summary (also written to root/summary.json). A run whose every
     step was already done keeps the summary.json of the run that did them (its wall time included)."""
     commands = Commands()
     results, guard = pipeline(root, args.quick, commands, args.tool_backend, args.sampler, seed, args.torch_threads,
-                              args.sync_turns, args.lora)
+                              args.sync_turns, args.lora, recipe)
     final = guard["final_model"]
     wall = time.perf_counter() - commands.start
     previous = json.loads((root / "summary.json").read_text()) if (root / "summary.json").is_file() else None
@@ -411,13 +445,20 @@ def run_seed(root: Path, args, seed: int, sandbox: str) -> dict:
     summary = {**summarize(results, wall), "seed": seed, "torch_threads": args.torch_threads,
                "steps_already_done": commands.kept, "tool_sandbox": sandbox, "stage_guard": guard,
                "final_model": str(root / final / "model")}
-    summary["level_accuracy"] = {s: level_accuracy(root, final if s == "stage3" else s) for s in STAGES}
+    for key in recipe.group_by:
+        summary[f"{key}_accuracy"] = {s: level_accuracy(root, final if s == "stage3" else s, key) for s in STAGES}
     summary["rollout_pages"] = rollout_pages(root)
     summary["phases"], times = time_table(root, commands.phases, wall)
     atomic_write_text(root / "summary.json", json.dumps(summary, indent=1))
     plot_stages(results, root / "summary.png")
     compare = write_compare(root / "eval_sft", root / f"eval_{final}", root / "compare_sft_stage3.html")
     print("\n" + table(results))
+    if recipe.transfer:
+        by_family = summary["family_accuracy"]
+        summary["transfer_accuracy"] = {s: by_family[s].get(recipe.transfer) for s in STAGES}
+        print(f"transfer ({recipe.transfer}, in no SFT or RL data): pass@1 "
+              + ", ".join(f"{s} {by_family[s].get(recipe.transfer, float('nan')):.3f}" for s in STAGES))
+        atomic_write_text(root / "summary.json", json.dumps(summary, indent=1))
     if not guard["kept"]:
         val = guard["val_accuracy"]
         print(f"\nthe final model is {final}'s (its row above; the stage3 row repeats it): validation pass@1 "
@@ -443,9 +484,11 @@ def rollout_pages(root: Path) -> dict[str, str]:
     return pages
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default=None, help="run folder (default runs/tiny, with --lora runs/tiny_lora)")
+def main(argv=None, recipe: Recipe = TINY) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if recipe is TINY else
+                                     f"The {recipe.name} pipeline (tiny/pipeline.py's stages, {recipe.configs}).")
+    parser.add_argument("--root", default=None, help=f"run folder (default runs/{recipe.name}, with --lora "
+                                                     f"runs/{recipe.name}_lora)")
     parser.add_argument("--quick", action="store_true", help="a few steps of each entry point")
     parser.add_argument("--fresh", action="store_true", help="delete the run folder first")
     parser.add_argument("--tool-backend", default="auto", choices=BACKENDS,
@@ -465,11 +508,11 @@ def main(argv=None) -> None:
                              "machine with other numerics)")
     args = parser.parse_args(argv)
     sandbox = announce(choose_sandbox(args.tool_backend))  # what model code can reach, said once
-    root = Path(args.root or ("runs/tiny_lora" if args.lora else "runs/tiny"))
+    root = Path(args.root or f"runs/{recipe.name}{'_lora' if args.lora else ''}")
     if args.fresh:
         shutil.rmtree(root, ignore_errors=True)
     if args.seeds is None:
-        run_seed(root, args, args.seed, sandbox)
+        run_seed(root, args, args.seed, sandbox, recipe)
         return
     # seeds.json gathers every seed run into this root, by this command or an earlier one (two commands may run
     # seeds side by side); a seed run again replaces its row.
@@ -477,7 +520,7 @@ def main(argv=None) -> None:
     summaries = earlier_seeds(root / "seeds.json")
     for seed in args.seeds:
         print(f"\n===== seed {seed}: {root / f'seed{seed}'}", flush=True)
-        summary = run_seed(root / f"seed{seed}", args, seed, sandbox)
+        summary = run_seed(root / f"seed{seed}", args, seed, sandbox, recipe)
         summaries = {**earlier_seeds(root / "seeds.json"), seed: summary}
         atomic_write_text(root / "seeds.json", json.dumps(
             {"seeds": {str(k): v for k, v in sorted(summaries.items())},
