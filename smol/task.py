@@ -12,7 +12,8 @@ a transfer line, a kind of problem the policy never trained on.
 
 SFT tasks (SFT_TASKS) are from none of those families: letters and words in strings, lists of numbers (largest,
 median, how many even), dates (days between, day of the year), units (seconds in a time, metres in kilometres),
-alphabet positions. Each conversation is one trace kind, in the fractions of SFT_MIX:
+alphabet positions, weekdays in a year, clock times; their programs are of several shapes (one line, a loop, a
+list comprehension, an import). Each conversation is one trace kind, in the fractions of SFT_MIX:
 - "tool": one clean call, then the printed number boxed;
 - "direct": an easy instance answered without the tool (the report's SFT data answers some directly); its answer is
   right, so SFT shows both choices and RL decides which pays on the RL families;
@@ -25,7 +26,7 @@ Splits, from one seeded generator, disjoint in problem text and in numbers (each
 train.jsonl (`n_train` per family and level), val.jsonl (`n_val` per family and level, for choosing between
 models), sft.jsonl (`n_sft` conversations). Each problem row has `family` and `level`.
 
-Run `python -m smol.task runs/smol/data [--seed 0 --n-train 200 --n-test 8 --n-val 4 --n-sft 600]`.
+Run `python -m smol.task runs/smol/data [--seed 0 --n-train 200 --n-test 8 --n-val 4 --n-sft 480]`.
 """
 import argparse
 import math
@@ -220,7 +221,8 @@ def _word_length(rng):
 def _vowels(rng):
     sentence = rng.choice(SENTENCES + WORDS)
     text = f"How many vowels (a, e, i, o, u) are in \"{sentence}\"?"
-    return text, sum(ch in "aeiou" for ch in sentence), f"print(sum(ch in 'aeiou' for ch in '{sentence}'))", False
+    code = f"text = '{sentence}'\nprint(len([ch for ch in text if ch in 'aeiou']))"
+    return text, sum(ch in "aeiou" for ch in sentence), code, False
 
 
 def _word_count(rng):
@@ -242,7 +244,7 @@ def _list_stat(rng):
             len(numbers) <= 4
     if kind == "even":
         return (f"How many even numbers are in the list {listed}?", sum(x % 2 == 0 for x in numbers),
-                f"print(sum(x % 2 == 0 for x in [{listed}]))", len(numbers) <= 5)
+                f"xs = [{listed}]\nprint(len([x for x in xs if x % 2 == 0]))", len(numbers) <= 5)
     return (f"What is the difference between the largest and the smallest of {listed}?", max(numbers) - min(numbers),
             f"xs = [{listed}]\nprint(max(xs) - min(xs))", False)
 
@@ -290,8 +292,63 @@ def _alphabet(rng):
     return text, ord(letter) - 96, f"print(ord('{letter}') - ord('a') + 1)", letter in "abcde"
 
 
+def _long_words(rng):
+    sentence, n = rng.choice(SENTENCES), rng.randint(3, 5)
+    code = f"words = '{sentence}'.split()\ncount = 0\nfor w in words:\n    if len(w) > {n}:\n        count += 1\nprint(count)"
+    return (f"How many words in \"{sentence}\" have more than {n} letters?",
+            sum(len(w) > n for w in sentence.split()), code, False)
+
+
+def _longest_word(rng):
+    sentence = rng.choice(SENTENCES)
+    return (f"How many letters does the longest word of \"{sentence}\" have?",
+            max(len(w) for w in sentence.split()), f"print(max(len(w) for w in '{sentence}'.split()))", False)
+
+
+def _distinct_letters(rng):
+    word = rng.choice(WORDS)
+    return (f"How many different letters does '{word}' use?", len(set(word)), f"letters = set('{word}')\nprint(len(letters))",
+            len(word) <= 5)
+
+
+def _weekdays(rng):
+    year, weekday = rng.randint(1990, 2030), rng.randrange(7)
+    name = ["Mondays", "Tuesdays", "Wednesdays", "Thursdays", "Fridays", "Saturdays", "Sundays"][weekday]
+    start = date(year, 1, 1)
+    days = (date(year + 1, 1, 1) - start).days
+    answer = sum((start + timedelta(d)).weekday() == weekday for d in range(days))
+    code = (f"from datetime import date, timedelta\nstart = date({year}, 1, 1)\ncount = 0\n"
+            f"d = start\nwhile d.year == {year}:\n    if d.weekday() == {weekday}:\n        count += 1\n"
+            f"    d += timedelta(days=1)\nprint(count)")
+    return f"How many {name} are there in the year {year}?", answer, code, False
+
+
+def _above_mean(rng):
+    numbers = [rng.randint(1, 300) for _ in range(rng.randint(5, 9))]
+    listed = ", ".join(map(str, numbers))
+    mean = sum(numbers) / len(numbers)
+    code = f"xs = [{listed}]\nmean = sum(xs) / len(xs)\nprint(len([x for x in xs if x > mean]))"
+    return f"How many of the numbers {listed} are above their average?", sum(x > mean for x in numbers), code, False
+
+
+def _clock(rng):
+    h1, m1 = rng.randint(0, 11), rng.randint(0, 59)
+    h2, m2 = rng.randint(h1 + 1, 23), rng.randint(0, 59)
+    code = f"start = {h1} * 60 + {m1}\nend = {h2} * 60 + {m2}\nprint(end - start)"
+    return (f"How many minutes pass from {h1:02d}:{m1:02d} to {h2:02d}:{m2:02d} on the same day?",
+            (h2 * 60 + m2) - (h1 * 60 + m1), code, h2 == h1 + 1 and m1 == m2)
+
+
+def _string_find(rng):
+    sentence = rng.choice(SENTENCES)
+    word = rng.choice(sentence.split())
+    return (f"At which position (counting from 1) does the word '{word}' first start in \"{sentence}\"?",
+            sentence.find(word) + 1, f"text = '{sentence}'\nprint(text.find('{word}') + 1)", False)
+
+
 SFT_TASKS = [_letter_count, _word_length, _vowels, _word_count, _list_stat, _median, _days_between, _day_of_year,
-             _units, _alphabet]
+             _units, _alphabet, _long_words, _longest_word, _distinct_letters, _weekdays, _above_mean, _clock,
+             _string_find]
 
 
 # ------------------------------------------------------------------------------------------ SFT traces
@@ -304,6 +361,8 @@ def buggy_code(code: str, rng) -> str:
         bugs.append(code.replace("datetime", "datetim", 1))    # ModuleNotFoundError
     if code.startswith("xs = "):
         bugs.append(code.replace("xs", "x", 1))                 # NameError: name 'xs' is not defined
+    if "\n    " in code:
+        bugs.append(code.replace("\n    ", "\n", 1))          # IndentationError: expected an indented block
     return rng.choice(bugs)
 
 
@@ -374,7 +433,7 @@ def sft_conversations(n: int, rng, mix: dict, workers: int = 2, tool_backend: st
 
 
 # ------------------------------------------------------------------------------------------ the task files
-def write_task(out_dir, seed: int = 0, n_train: int = 200, n_test: int = 8, n_val: int = 4, n_sft: int = 600,
+def write_task(out_dir, seed: int = 0, n_train: int = 200, n_test: int = 8, n_val: int = 4, n_sft: int = 480,
                mix: dict | None = None, workers: int = 2, tool_backend: str = "auto") -> dict:
     """Write test.jsonl, train.jsonl, val.jsonl and sft.jsonl under `out_dir` (sizes per family and level, SFT in
     conversations); same seed, same files. Returns {split: path}."""
@@ -402,7 +461,7 @@ def main(argv=None):
     parser.add_argument("--n-train", type=int, default=200, help="RL problems per family and level")
     parser.add_argument("--n-test", type=int, default=8, help="held-out problems per family and level")
     parser.add_argument("--n-val", type=int, default=4, help="validation problems per family and level")
-    parser.add_argument("--n-sft", type=int, default=600, help="SFT conversations")
+    parser.add_argument("--n-sft", type=int, default=480, help="SFT conversations")
     parser.add_argument("--tool-backend", default="auto", choices=BACKENDS, help="the code tool's backend")
     args = parser.parse_args(argv)
     paths = write_task(args.out_dir, seed=args.seed, n_train=args.n_train, n_test=args.n_test, n_val=args.n_val,
