@@ -652,3 +652,52 @@ def test_free_kv_claims_on_several_engines_give_the_count_rule_run_on_one(tiny, 
                 assert b[key] == pytest.approx(a[key], abs=1e-5), key
             elif key.startswith(("rollout/", "roc/")):
                 assert b[key] == pytest.approx(a[key], rel=1e-12, abs=1e-12), key
+
+
+# ------------------------------------------------------------------------------------------ SmolLM2-135M on the engine
+SMOL = ROOT / ".cache" / "smollm2" / "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def smol_sft(tmp_path_factory):
+    """A few SFT steps of the real SmolLM2-135M checkpoint (make smollm2) on 8 of the smol task's tool
+    conversations, and RL problems that are those 8 questions (tests/test_smol.py's quick version)."""
+    if not (SMOL / "config.json").is_file():
+        pytest.skip(f"no SmolLM2 checkpoint at {SMOL} (make smollm2)")
+    from smol import task
+    out = tmp_path_factory.mktemp("smol")
+    rows = [r for r in task.sft_conversations(40, random.Random(0), task.SFT_MIX) if r["kind"] == "tool"][:8]
+    write_jsonl(out / "sft.jsonl", rows)
+    write_jsonl(out / "rl.jsonl", [{"problem": r["messages"][0]["content"], "answer": r["answer"]} for r in rows])
+    done = subprocess.run([sys.executable, "sft.py", "configs/smollm2-135m/sft.yaml", f"model_path={SMOL}",
+                           f"data={out / 'sft.jsonl'}", f"out_dir={out / 'sft'}", "epochs=3", "batch_size=4",
+                           "micro_batch_size=4", "max_steps=6", "warmup_ratio=0", "save_every=0", "torch_threads=2"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smol_train_py_on_the_engine_hands_every_update_to_the_real_llama(smol_sft, tmp_path, dtype):
+    """SmolLM2-135M (a Llama: tied lm_head, vLLM's fused qkv_proj and gate_up_proj) with vLLM rollouts: the engine
+    starts from dummy weights, so the hand-off at the start sends every weight, and the check after each of the
+    two steps passes (a failure stops the run); the groups are mixed, so the model moves. In bf16 the engine's gap to
+    the fp32 trainer is its rounding, within the hand-off's tolerance."""
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "train.py", "configs/smollm2-135m/stage1.yaml",
+                           f"model_path={smol_sft / 'sft' / 'model'}", f"data=[{smol_sft / 'rl.jsonl'}]",
+                           f"out_dir={out}", "steps=2", "prompts_per_step=2", "rollouts_per_prompt=8", "group_size=4",
+                           "max_response_tokens=96", "max_turns=2", "lr=1e-5", "warmup_steps=0", "save_every=0",
+                           "sampler=vllm", f"vllm_dtype={dtype}", "vllm_enforce_eager=true", "torch_threads=1",
+                           "mixed_precision=no"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["rollout/tool_calls_mean"] > 0 for r in rows)
+    assert any(r["roc/equal_group_frac"] < 1.0 for r in rows), [r["roc/equal_group_frac"] for r in rows]
+    gap = FP32_GAP if dtype == "float32" else HANDOFF_TOLERANCE[torch.bfloat16]
+    assert all(r["mismatch/logp_abs_diff_mean"] <= gap for r in rows), [r["mismatch/logp_abs_diff_mean"] for r in rows]
+    before = AutoModelForCausalLM.from_pretrained(smol_sft / "sft" / "model")
+    after = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert any(not torch.equal(a, b) for a, b in zip(before.parameters(), after.parameters()))
