@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CONCEPTS = {"protocol", "rollout", "code_tool", "reward", "grpo_roc", "schedule", "mismatch"}
 COMMANDS = {"sft", "train", "eval"}
-FOLDERS = ("plumbing", "samplers", "sandbox", "tiny", "tools")
+FOLDERS = ("plumbing", "samplers", "sandbox", "smol", "tiny", "tools")
 ALGORITHM_PATH = ("protocol", "rollout", "grpo_roc", "schedule", "train")
 ALGORITHM_PATH_MAX_LINES = 1000
 
