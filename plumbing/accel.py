@@ -201,18 +201,25 @@ def make_accelerator(*, mixed_precision: str, report_to: str | None, out_dir: st
                        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))])
 
 
+def runs_nccl() -> bool:
+    """Whether NCCL is among the backends torch set up for the default group (which must be up): its
+    `get_backend_config`, "cuda:nccl" for a group started without naming a backend on a GPU machine, as
+    `start_process_group` does, and for Accelerate's "nccl" too. `get_backend()` is no answer: it says "undefined"
+    for the first (torch 2.13)."""
+    import torch.distributed as dist
+    return "nccl" in dist.get_backend_config()
+
+
 def end_process_group(failed: bool = False) -> None:
     """Destroy the default process group if one is up (a no-op otherwise, and after `Accelerator.end_training`).
-    On an error path (`failed`) a group with NCCL among its backends is aborted instead: a graceful destroy waits
-    for work that a dead or stuck peer may never finish; and nothing raised here hides the error that brought the
-    rank out. The backends are the ones torch set up for the group (`get_backend_config`: "cuda:nccl" for one
-    started without naming a backend on a GPU machine, as `start_process_group` does, "cuda:nccl" too for
-    Accelerate's "nccl"); `get_backend()` says "undefined" for the first (torch 2.13)."""
+    On an error path (`failed`) a group with NCCL among its backends (`runs_nccl`) is aborted instead: a graceful
+    destroy waits for work that a dead or stuck peer may never finish; and nothing raised here hides the error that
+    brought the rank out."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
-        if failed and "nccl" in dist.get_backend_config() and hasattr(dist.distributed_c10d, "_abort_process_group"):
+        if failed and runs_nccl() and hasattr(dist.distributed_c10d, "_abort_process_group"):
             dist.distributed_c10d._abort_process_group()
         else:
             dist.destroy_process_group()
@@ -633,5 +640,5 @@ def abort_process_group() -> None:
     (end_process_group(failed=True)); nothing for gloo, whose peers see the connection close when the process ends
     (a destroy would wait for the blocked collective)."""
     import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_available() and dist.is_initialized() and runs_nccl():
         end_process_group(failed=True)
