@@ -1,7 +1,8 @@
 """How an entry point ends when something is left running or a rank fails (plumbing/accel.py, point 4): a live
-thread pool does not keep the process alive after `main()`; a failed rank, and a watchdog that names a silent one, abort a group that runs NCCL, however
-the group was started; and on an error path the sampler's own shutdown (vLLM's destroys the launcher's group
-gracefully) does not run before the group is ended. The multi-process ones run on 2 CPU processes under torchrun."""
+thread pool does not keep the process alive after `main()`; a failed rank, and a watchdog that names a silent one,
+abort a group that runs NCCL, however the group was started; and on an error path the sampler's own shutdown (vLLM's
+destroys the launcher's group gracefully) does not run before the group is ended. The multi-process ones run on 2 CPU
+processes under torchrun."""
 import json
 import os
 import subprocess
