@@ -25,7 +25,7 @@ from reward import default_pool, score_trajectories
 from rollout import rollout, rollout_sums, trajectory_record
 from samplers.hf import HFSampler
 from samplers.vllm_engine import VLLMSampler
-from schedule import wait_fraction
+from schedule import check_kv_room, wait_fraction
 
 
 @dataclass
@@ -164,6 +164,7 @@ def setup(cfg: TrainConfig, optimizer_and_schedule: Callable) -> tuple[int, Stag
         acc.print(f"resumed from {start} at step {step}")
     sampler = make_sampler(cfg, handoff.sampler_policy(cfg, acc, model), tokenizer)
     try:  # an error from here on ends the engine as one in the loop does (run_stage's `finally`)
+        check_sampler(cfg, sampler)
         # The sampler starts from the trainer's weights (a resumed checkpoint's too), checked before any rollout.
         probe = encode(tokenizer, fmt.prompt(problems[0]["problem"]))[:handoff.HANDOFF_PROBE_TOKENS]
         check = handoff.sync(acc, model, sampler, probe, "at the start")
@@ -188,6 +189,13 @@ def one_row_attention(model) -> bool:
     attention's varlen kernels, which read the sequences from position_ids in a batch of one row): then a packed
     micro-batch is one row (update_plan.layout_for; plumbing/attention.py)."""
     return attention.one_row(str(getattr(model.config, "_attn_implementation", "")))
+
+
+def check_sampler(cfg: TrainConfig, sampler) -> None:
+    """At start-up, one line when the sampler cannot do what the config asks of it: report its free KV cache under
+    claim_rule=free_kv (schedule.check_kv_room), rather than a rule that quietly claims by another one."""
+    if cfg.claim_rule == "free_kv":
+        check_kv_room(sampler)
 
 
 def make_sampler(cfg: TrainConfig, model, tokenizer):

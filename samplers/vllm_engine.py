@@ -15,6 +15,7 @@ import itertools
 import logging
 import math
 import os
+import sys
 
 import torch
 
@@ -30,6 +31,9 @@ SLEEP_LEVEL = 2  # 2: weights and KV cache discarded (1 would copy them to CPU R
 # The engine argument that puts the CUDA graphs in the pool sleep copies to CPU RAM (default False: they stay on the
 # GPU while asleep); build_engine passes it True with sleep mode where this vLLM's EngineArgs has it.
 SLEEP_OFFLOAD_CUDAGRAPH = "sleep_mode_offload_cudagraph"
+# What kv_room reads, from vllm.LLM down to the in-process scheduler (vLLM 0.32 and 0.33; VLLMSampler.kv_room).
+KV_ROOM_NAMES = tuple(f"llm_engine.engine_core.engine_core.scheduler.{name}" for name in (
+    "get_request_counts", "kv_cache_manager.block_pool.get_num_free_blocks", "max_num_running_reqs", "block_size"))
 # vLLM's own process groups (its tensor-parallel and CPU groups, built under the launcher's): their timeouts are
 # these engine arguments (vLLM 0.32, ParallelConfig), torch's defaults when unset (NCCL 10 minutes, gloo 30).
 # build_engine sets both to `group_timeout_s` when given.
@@ -157,8 +161,8 @@ class VLLMSampler:
         """Free KV-cache tokens now (schedule.free_kv_rule): the scheduler's free blocks x block size, 0 while a
         request waits (queued, or preempted for room) or the engine runs its `max_num_seqs`; free blocks include
         cached prefixes nobody uses, which vLLM evicts for new ones. vLLM 0.32's in-process engine core
-        (`LLMEngine.engine_core.engine_core.scheduler`); None where it is not there (an engine in another
-        process, a fake)."""
+        (`LLMEngine.engine_core.engine_core.scheduler`, KV_ROOM_NAMES); None where it is not there (an engine in
+        another process, a fake: `kv_room_missing` says what is missing)."""
         try:
             scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
             running, waiting = scheduler.get_request_counts()
@@ -167,6 +171,17 @@ class VLLMSampler:
         except AttributeError:
             return None
         return 0 if waiting or running >= limit else free * block
+
+    def kv_room_missing(self) -> str | None:
+        """The first of KV_ROOM_NAMES this engine lacks, in one phrase (None: kv_room can answer)."""
+        for path in KV_ROOM_NAMES:
+            at = self.llm
+            for depth, name in enumerate(path.split(".")):
+                if not hasattr(at, name):
+                    return (f"this vLLM engine has no {'.'.join(path.split('.')[:depth + 1])} (vLLM "
+                            f"{_vllm_version()}: kv_room reads vLLM 0.32-0.33's in-process scheduler)")
+                at = getattr(at, name)
+        return None
 
     def _params(self, max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None):
         from vllm import SamplingParams
@@ -365,6 +380,10 @@ def check_vllm_version(version: str) -> None:
     if found < VLLM_MIN_VERSION:
         raise SystemExit(f"config error: VLLMSampler needs vllm>={'.'.join(map(str, VLLM_MIN_VERSION))} "
                          f"(its sleep levels and in-place weight reload), found {version}")
+
+
+def _vllm_version() -> str:
+    return getattr(sys.modules.get("vllm"), "__version__", "not imported")
 
 
 def engine_has_argument(vllm, name: str) -> bool:

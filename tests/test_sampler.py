@@ -536,6 +536,33 @@ def test_train_s_engine_starts_from_dummy_weights_with_the_run_s_group_timeout(f
     assert "cpu_distributed_timeout_seconds" not in FakeLLM.instances[-1].kwargs
 
 
+def test_free_kv_with_an_engine_missing_its_scheduler_stops_at_start_up_naming_it(fake_vllm):
+    """rl_stage.check_sampler (the set-up, right after the engine is built): under claim_rule=free_kv an engine
+    whose free KV cache cannot be read stops the run with one line naming the first name missing; the count rule
+    asks nothing of it."""
+    import train
+    from plumbing import rl_stage
+    tokenizer = types.SimpleNamespace(convert_tokens_to_ids=lambda t: {IM_END: 3}[t])
+    cfg = train.TrainConfig(sampler="vllm", model_path="some/model", claim_rule="free_kv")
+    sampler = rl_stage.make_sampler(cfg, None, tokenizer)  # FakeLLM's engine has no engine core
+    with pytest.raises(SystemExit, match=r"^config error: claim_rule=free_kv claims while the engine's KV cache has "
+                       r"room, and this vLLM engine has no llm_engine.engine_core \(vLLM 0.33.0: kv_room reads "
+                       r"vLLM 0.32-0.33's in-process scheduler\); claim_rule=count claims by the count of "
+                       r"unfinished rollouts instead$"):
+        rl_stage.check_sampler(cfg, sampler)
+    rl_stage.check_sampler(train.TrainConfig(sampler="vllm", claim_rule="count"), sampler)
+    pool = types.SimpleNamespace(get_num_free_blocks=lambda: 10)  # the scheduler, as vLLM 0.32-0.33 has it
+    scheduler = types.SimpleNamespace(get_request_counts=lambda: (1, 0), max_num_running_reqs=4, block_size=16,
+                                      kv_cache_manager=types.SimpleNamespace(block_pool=pool))
+    sampler.llm.llm_engine.engine_core = types.SimpleNamespace(engine_core=types.SimpleNamespace(scheduler=scheduler))
+    assert sampler.kv_room_missing() is None and sampler.kv_room() == 160
+    rl_stage.check_sampler(cfg, sampler)
+    del scheduler.block_size
+    assert sampler.kv_room() is None
+    assert sampler.kv_room_missing().startswith("this vLLM engine has no llm_engine.engine_core.engine_core.scheduler"
+                                                ".block_size ")
+
+
 def test_vllm_sampler_refuses_weight_updates_with_tensor_parallelism(fake_vllm, tiny):
     sampler = VLLMSampler("some/model", tensor_parallel_size=2)  # evaluation with a larger model: fine
     assert FakeLLM.instances[0].kwargs["tensor_parallel_size"] == 2
