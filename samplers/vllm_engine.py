@@ -22,10 +22,12 @@ import torch
 from protocol import IM_END
 from samplers.interface import Completion
 
-# The oldest vLLM whose behaviour this file relies on (docs/real_scale.md, "The vLLM engine"): the layer-wise in-place
-# reload behind collective_rpc("reload_weights", weights_iterator=...), sleep level 2 keeping and restoring the model's
-# buffers, the CUDA graphs in the sleep pool (SLEEP_OFFLOAD_CUDAGRAPH) and typed prompts from the engine's renderer.
-VLLM_MIN_VERSION = (0, 32)
+# The vLLM releases this file accepts, [lowest, first refused), as pyproject.toml's extras say (docs/real_scale.md,
+# "The vLLM engine"). 0.32 is the first with the layer-wise in-place reload behind collective_rpc("reload_weights",
+# weights_iterator=...), sleep level 2 keeping and restoring the model's buffers, the CUDA graphs in the sleep pool
+# (SLEEP_OFFLOAD_CUDAGRAPH) and typed prompts from the engine's renderer; 0.34 changes what a level-2 sleep discards,
+# which the hand-off and the memory plan read from 0.32 and 0.33.
+VLLM_VERSIONS = ((0, 32), (0, 34))
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU build: KV-cache size when not given (its default is a share of host RAM)
 SLEEP_LEVEL = 2  # 2: weights and KV cache discarded (1 would copy them to CPU RAM); the next hand-off sends every one
 # The engine argument that puts the CUDA graphs in the pool sleep copies to CPU RAM (default False: they stay on the
@@ -374,12 +376,19 @@ def build_engine(group_timeout_s: float | None = None, **kwargs):
             os.environ["LD_PRELOAD"] = preload
 
 
+def vllm_range() -> str:
+    """VLLM_VERSIONS as pip writes it: ">=0.32,<0.34"."""
+    low, high = (".".join(map(str, v)) for v in VLLM_VERSIONS)
+    return f">={low},<{high}"
+
+
 def check_vllm_version(version: str) -> None:
-    """SystemExit with one line naming both versions when `version` (vllm.__version__) is below VLLM_MIN_VERSION."""
+    """SystemExit with one line naming both when `version` (vllm.__version__) is outside VLLM_VERSIONS."""
     found = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
-    if found < VLLM_MIN_VERSION:
-        raise SystemExit(f"config error: VLLMSampler needs vllm>={'.'.join(map(str, VLLM_MIN_VERSION))} "
-                         f"(its sleep levels and in-place weight reload), found {version}")
+    if not VLLM_VERSIONS[0] <= found < VLLM_VERSIONS[1]:
+        low, high = (".".join(map(str, v)) for v in VLLM_VERSIONS)
+        raise SystemExit(f"config error: VLLMSampler needs vllm{vllm_range()} ({low} first has its sleep levels and "
+                         f"in-place weight reload; {high} changes what a level-2 sleep discards), found {version}")
 
 
 def _vllm_version() -> str:

