@@ -211,6 +211,8 @@ def make_sampler(cfg: TrainConfig, model, tokenizer):
                            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                            tensor_parallel_size=cfg.vllm_tensor_parallel_size,
                            enforce_eager=cfg.vllm_enforce_eager, load_format="dummy",
+                           enable_sleep_mode=cfg.vllm_enable_sleep_mode,
+                           sleep_mode_offload_cudagraph=cfg.vllm_sleep_mode_offload_cudagraph,
                            group_timeout_s=cfg.process_group_timeout_s, **launcher)
     return HFSampler(model, tokenizer, batch_size=cfg.rollout_batch_size)
 

@@ -30,8 +30,9 @@ from samplers.interface import Completion
 VLLM_VERSIONS = ((0, 32), (0, 34))
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU build: KV-cache size when not given (its default is a share of host RAM)
 SLEEP_LEVEL = 2  # 2: weights and KV cache discarded (1 would copy them to CPU RAM); the next hand-off sends every one
-# The engine argument that puts the CUDA graphs in the pool sleep copies to CPU RAM (default False: they stay on the
-# GPU while asleep); build_engine passes it True with sleep mode where this vLLM's EngineArgs has it.
+# The engine argument that puts the CUDA graphs in the pool sleep copies to CPU RAM (vLLM's default False: they stay
+# on the GPU while asleep); engine_kwargs passes it True with sleep mode, unless the caller gives it, where this
+# vLLM's EngineArgs has it.
 SLEEP_OFFLOAD_CUDAGRAPH = "sleep_mode_offload_cudagraph"
 # What kv_room reads, from vllm.LLM down to the in-process scheduler (vLLM 0.32 and 0.33; VLLMSampler.kv_room).
 KV_ROOM_NAMES = tuple(f"llm_engine.engine_core.engine_core.scheduler.{name}" for name in (
@@ -72,14 +73,16 @@ class VLLMSampler:
     are captured into that pool only with `sleep_mode_offload_cudagraph=True` (an engine argument in vLLM 0.32 and
     0.33, default False; `VllmConfig.use_cumem_cudagraph_pool`, vllm/config/vllm.py, and `capture_pool`,
     vllm/compilation/cudagraph_pool.py); otherwise they go to torch's own graph pool, which sleep does not touch, so
-    they would stay on the GPU. `build_engine` turns it on wherever sleep mode is on and vLLM has the argument
-    (`SLEEP_OFFLOAD_CUDAGRAPH`). `update_weights` hands torch's cached blocks back to the driver
+    they would stay on the GPU. `engine_kwargs` turns it on with sleep mode where vLLM has the argument
+    (`SLEEP_OFFLOAD_CUDAGRAPH`; the caller's False keeps vLLM's default). `update_weights` hands torch's cached blocks back to the driver
     (`release_cached_memory`), wakes the weights (the runtime and graph pools come back with them), loads all of
     them, releases again and wakes the KV cache last: the lowest peak. Generating after `sleep()` without an update
     in between is refused (the weights are gone), and so is a partial update then: the layers it leaves out would
     keep whatever the woken memory holds. An engine built with `load_format="dummy"` (vLLM's random weights, no
-    checkpoint read) is in the same state until its first update. Platforms without sleep mode (vLLM's CPU build)
-    keep everything resident and `sleep()` does nothing. PYTORCH_CUDA_ALLOC_CONF is left alone: vLLM turns
+    checkpoint read) is in the same state until its first update. Sleep mode is a setting (`enable_sleep_mode`,
+    train.py's `vllm_enable_sleep_mode`), not the platform's answer alone (vLLM says yes for every ROCm GPU):
+    turned off, and on platforms without it (vLLM's CPU build), the engine keeps everything resident and `sleep()`
+    does nothing. PYTORCH_CUDA_ALLOC_CONF is left alone: vLLM turns
     expandable segments off itself while it allocates in its pools (`CuMemAllocator.use_memory_pool`).
 
     One engine per training rank: under `torchrun` / `accelerate launch` pass `distributed_executor_backend=
@@ -97,7 +100,10 @@ class VLLMSampler:
     group of one) itself. `close()` says when to call it.
 
     tokenizer (or im_end_id): where the <|im_end|> id comes from (default: the engine's tokenizer).
-    enable_sleep_mode: None = where the platform has it (CUDA, ROCm, XPU).
+    enable_sleep_mode: sleep through each update where the platform has sleep mode (None or True; vLLM's CPU build
+    has none, and its engine stays resident); False: never, no sleep calls, the engine keeps its GPU memory.
+    sleep_mode_offload_cudagraph (vLLM's keyword): with sleep mode, the CUDA graphs go to CPU RAM while asleep
+    (True unless given; dropped without sleep mode).
     group_timeout_s: the timeout of vLLM's own process groups (`GROUP_TIMEOUTS`; None: torch's defaults).
     llm: an engine object to use instead of building one (tests pass a fake); extra keywords go to `vllm.LLM`."""
 
@@ -335,8 +341,8 @@ RELOAD_DONE_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
 
 
 def build_engine(group_timeout_s: float | None = None, **kwargs):
-    """`vllm.LLM(**kwargs)` in this process, with the process-wide state it changes put back (see VLLMSampler);
-    group_timeout_s: the engine arguments GROUP_TIMEOUTS, where this vLLM has them."""
+    """`vllm.LLM(**engine_kwargs(...))` in this process, with the process-wide state it changes put back (see
+    VLLMSampler)."""
     if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
         raise SystemExit("config error: VLLM_ENABLE_V1_MULTIPROCESSING is set to "
                          f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}; VLLMSampler hands the weights to the "
@@ -344,21 +350,7 @@ def build_engine(group_timeout_s: float | None = None, **kwargs):
     import vllm
     from vllm.platforms import current_platform
     check_vllm_version(vllm.__version__)
-    for name in GROUP_TIMEOUTS if group_timeout_s else ():
-        if engine_has_argument(vllm, name):
-            kwargs.setdefault(name, math.ceil(group_timeout_s))
-    if kwargs.get("enable_sleep_mode") is None:
-        kwargs["enable_sleep_mode"] = current_platform.is_sleep_mode_available()
-    if kwargs["enable_sleep_mode"] and engine_has_argument(vllm, SLEEP_OFFLOAD_CUDAGRAPH):
-        kwargs.setdefault(SLEEP_OFFLOAD_CUDAGRAPH, True)  # the graphs to CPU RAM while asleep, not kept on the GPU
-    if current_platform.is_cpu() and "kv_cache_memory_bytes" not in kwargs \
-            and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-    if current_platform.is_cpu():
-        # A prompt prefilled in chunks draws a token it throws away, and vLLM then rewinds the request's seeded
-        # generator by its offset, which CPU generators lack ("CPU Generator does not use offset", vLLM 0.32): on
-        # CPU every prompt is prefilled in one step.
-        kwargs.setdefault("enable_chunked_prefill", False)
+    kwargs = engine_kwargs(vllm, current_platform, group_timeout_s, **kwargs)
     reload_log = logging.getLogger(RELOAD_LOGGER)
     if not any(isinstance(f, QuietRotaryReload) for f in reload_log.filters):
         reload_log.addFilter(QuietRotaryReload())
@@ -374,6 +366,30 @@ def build_engine(group_timeout_s: float | None = None, **kwargs):
             os.environ.pop("LD_PRELOAD", None)
         else:
             os.environ["LD_PRELOAD"] = preload
+
+
+def engine_kwargs(vllm, platform, group_timeout_s: float | None = None, **kwargs) -> dict:
+    """`vllm.LLM`'s keywords from VLLMSampler's: group_timeout_s as the engine arguments GROUP_TIMEOUTS, sleep mode
+    where asked for (`enable_sleep_mode` not False) and `platform` has it (vllm.platforms.current_platform), then
+    the CUDA graphs' offload (SLEEP_OFFLOAD_CUDAGRAPH; True unless given, none without sleep mode); each only where
+    this vLLM has the argument. On the CPU build: a KV cache of CPU_KV_CACHE_BYTES unless one is given, and no
+    chunked prefill."""
+    for name in GROUP_TIMEOUTS if group_timeout_s else ():
+        if engine_has_argument(vllm, name):
+            kwargs.setdefault(name, math.ceil(group_timeout_s))
+    kwargs["enable_sleep_mode"] = kwargs.get("enable_sleep_mode") is not False and platform.is_sleep_mode_available()
+    if not (kwargs["enable_sleep_mode"] and engine_has_argument(vllm, SLEEP_OFFLOAD_CUDAGRAPH)):
+        kwargs.pop(SLEEP_OFFLOAD_CUDAGRAPH, None)
+    else:
+        kwargs.setdefault(SLEEP_OFFLOAD_CUDAGRAPH, True)  # the graphs to CPU RAM while asleep, not kept on the GPU
+    if platform.is_cpu() and "kv_cache_memory_bytes" not in kwargs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    if platform.is_cpu():
+        # A prompt prefilled in chunks draws a token it throws away, and vLLM then rewinds the request's seeded
+        # generator by its offset, which CPU generators lack ("CPU Generator does not use offset", vLLM 0.32): on
+        # CPU every prompt is prefilled in one step.
+        kwargs.setdefault("enable_chunked_prefill", False)
+    return kwargs
 
 
 def vllm_range() -> str:

@@ -612,6 +612,38 @@ def test_the_cuda_graphs_are_offloaded_only_with_sleep_mode_and_where_vllm_has_t
     assert "sleep_mode_offload_cudagraph" not in older.kwargs and older.kwargs["enable_sleep_mode"] is True
 
 
+def test_the_sleep_mode_setting_decides_the_engine_s_arguments_not_the_platform_alone(fake_vllm):
+    """samplers/vllm_engine.engine_kwargs, on a platform that says it has sleep mode (vLLM says so for every ROCm
+    GPU): sleep mode and the CUDA graphs' offload are as asked; on one without (the CPU build), no sleep mode."""
+    from samplers.vllm_engine import engine_kwargs
+    gpu = types.SimpleNamespace(is_cpu=lambda: False, is_sleep_mode_available=lambda: True)
+    cpu = types.SimpleNamespace(is_cpu=lambda: True, is_sleep_mode_available=lambda: False)
+    offload = "sleep_mode_offload_cudagraph"
+    assert engine_kwargs(fake_vllm, gpu, model="m") == {"model": "m", "enable_sleep_mode": True, offload: True}
+    assert engine_kwargs(fake_vllm, gpu, enable_sleep_mode=False, **{offload: True}) == {"enable_sleep_mode": False}
+    assert engine_kwargs(fake_vllm, gpu, enable_sleep_mode=True, **{offload: False}) == {
+        "enable_sleep_mode": True, offload: False}
+    assert not engine_kwargs(fake_vllm, cpu, enable_sleep_mode=True)["enable_sleep_mode"]
+
+
+@pytest.mark.parametrize("sleeps, offloads", [(True, True), (True, False), (False, True)])
+def test_train_s_sleep_mode_setting_reaches_the_engine_and_off_means_no_sleep_calls(fake_vllm, sleeps, offloads):
+    """rl_stage.make_sampler passes vllm_enable_sleep_mode and vllm_sleep_mode_offload_cudagraph to the engine;
+    with sleep mode off, sleep() asks the engine for nothing and the next update need not send every weight."""
+    import train
+    from plumbing import rl_stage
+    cfg = train.TrainConfig(sampler="vllm", model_path="some/model", vllm_enable_sleep_mode=sleeps,
+                            vllm_sleep_mode_offload_cudagraph=offloads)
+    tokenizer = types.SimpleNamespace(convert_tokens_to_ids=lambda t: {IM_END: 3}[t])
+    sampler = rl_stage.make_sampler(cfg, None, tokenizer)
+    llm = FakeLLM.instances[-1]
+    assert llm.kwargs["enable_sleep_mode"] is sleeps
+    assert llm.kwargs.get("sleep_mode_offload_cudagraph") is (offloads if sleeps else None)
+    sampler.sleep()
+    assert [e for e in llm.log if e[0] == "sleep"] == ([("sleep", 2)] if sleeps else [])
+    assert sampler.sleeping == ({"weights", "kv_cache"} if sleeps else set())
+
+
 def test_vllm_sampler_without_sleep_mode_never_sleeps(fake_vllm, tiny):
     """vLLM's CPU build has no sleep mode: sleep() is a no-op (asking its engine to sleep pauses its scheduler,
     and a later generate spins forever)."""
