@@ -100,6 +100,10 @@ INIT_TIMEOUT_S = 600            # every rank of a (re)started group joins within
 FAILED = threading.Event()      # set when this process's work ends with an error: its watchdog tells the peers
 REDUCE_DTYPE = torch.float32    # FSDP2 reduce-scatters gradients in this dtype under mixed_precision=bf16
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}  # the values the configs accept -> compute dtype
+# torch's GPU allocator setting for the trainer (`cuda_allocator_conf`) unless the user gives one under any of the
+# names torch 2.13 reads: segments that grow in place, so the update's varying sizes fragment less
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
 
 def check_tracker(report_to: str | None) -> None:
@@ -114,6 +118,14 @@ def check_tracker(report_to: str | None) -> None:
         hint = "pip install -e '.[tensorboard]'" if report_to == "tensorboard" else f"pip install {report_to}"
         raise SystemExit(f"config error: report_to={report_to} but its package is not installed ({hint}, or "
                          "report_to=null to log to metrics.jsonl only)")
+
+
+def cuda_allocator_conf() -> None:
+    """Set ALLOC_CONF in this process's environment unless one of ALLOC_CONF_NAMES is set; torch reads it when CUDA
+    initialises, so this comes first in the trainer's set-up. vLLM turns expandable segments off itself while it
+    allocates in its own pools (`CuMemAllocator.use_memory_pool`), which its sleep mode needs."""
+    if not any(os.environ.get(name) for name in ALLOC_CONF_NAMES):
+        os.environ[ALLOC_CONF[0]] = ALLOC_CONF[1]
 
 
 def fsdp_plugin(mixed_precision: str):

@@ -98,6 +98,7 @@ def setup(cfg: TrainConfig, optimizer_and_schedule: Callable) -> tuple[int, Stag
     from accelerate.utils import DistributedType, set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    accel.cuda_allocator_conf()  # expandable segments unless the user set the allocator: before CUDA starts
     acc = accel.make_accelerator(mixed_precision=cfg.mixed_precision, report_to=cfg.report_to, out_dir=cfg.out_dir,
                                  timeout_s=cfg.process_group_timeout_s,  # trackers, timeouts, FSDP2 policy
                                  init_timeout_s=cfg.init_timeout_s)

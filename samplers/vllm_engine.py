@@ -82,8 +82,9 @@ class VLLMSampler:
     checkpoint read) is in the same state until its first update. Sleep mode is a setting (`enable_sleep_mode`,
     train.py's `vllm_enable_sleep_mode`), not the platform's answer alone (vLLM says yes for every ROCm GPU):
     turned off, and on platforms without it (vLLM's CPU build), the engine keeps everything resident and `sleep()`
-    does nothing. PYTORCH_CUDA_ALLOC_CONF is left alone: vLLM turns
-    expandable segments off itself while it allocates in its pools (`CuMemAllocator.use_memory_pool`).
+    does nothing. PYTORCH_CUDA_ALLOC_CONF is the trainer's
+    (expandable segments: `accel.cuda_allocator_conf`): vLLM turns expandable segments off itself while it
+    allocates in its pools (`CuMemAllocator.use_memory_pool`).
 
     One engine per training rank: under `torchrun` / `accelerate launch` pass `distributed_executor_backend=
     "external_launcher"` and a per-rank seed (train.py does), and each rank's engine takes the rank's own device.
