@@ -73,7 +73,9 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    call) keeps beating, whatever its main thread is doing. A peer whose counter has not moved for `peer_timeout_s` is
    named in one line with the step and phase it was last seen in; the first rank to see it writes that in the store,
    so every live rank says it within a poll, and each ends its process with exit status 1 (os._exit: its main thread
-   may never return from the collective), after NCCL's abort where the backend is NCCL. The store is torchrun's
+   may never return from the collective), after NCCL's abort where the backend is NCCL. A poll costs the store
+   four round trips whatever the number of ranks: every peer's counter is read with one `multi_get`
+   (`read_counters`; bench/store_load.py measures it at 64 and 128 ranks). The store is torchrun's
    agent's, not rank 0's, so a stopped rank 0 is named like any other; the watchdog talks to it through a client of
    its own whose operations give up after `peer_timeout_s` (10 s at least), and an agent that is gone stops the rank
    with one line. A rank that ends says so first: normally, and the ranks still finishing do not name it; with an
@@ -580,6 +582,7 @@ def watchdog(peers: Peers, store, closed: threading.Event, abort: Callable[[], N
     rank and where it was last seen."""
     key, me, seen = peers.watch_key, peers.rank, {}
     others = [r for r in range(peers.world) if r != me]
+    alive, polls = [key(f"alive/{r}") for r in others], 0
     try:
         while not closed.is_set():
             store.add(key(f"alive/{me}"), 1)
@@ -595,10 +598,10 @@ def watchdog(peers: Peers, store, closed: threading.Event, abort: Callable[[], N
                          f"in {store.get(key(f'at/{failed[0]}')).decode()}")
                 silent = []
             else:
-                for r in others:
-                    beats = store.add(key(f"alive/{r}"), 0)
+                for r, beats in zip(others, read_counters(store, alive, exist=polls > 0)):
                     if seen.get(r, (None,))[0] != beats:
                         seen[r] = (beats, now)
+                polls += 1
                 silent = [r for r in others if now - seen[r][1] > peers.timeout_s
                           and not store.check([key(f"gone/{r}")])]
                 if not silent:
@@ -621,6 +624,15 @@ def watchdog(peers: Peers, store, closed: threading.Event, abort: Callable[[], N
         if not closed.is_set() and peers.stopping.acquire(blocking=False):
             peers.stop(f"{peers.name}: {peers.at}: rank {me} lost the process group's store ({type(e).__name__}: "
                        f"{str(e).splitlines()[0] if str(e) else ''}); it stops", abort)
+
+
+def read_counters(store, keys: list[str], exist: bool) -> list[int]:
+    """The values of the store's counters `keys` (made by `add`): one `multi_get` where they are known to exist,
+    one round trip whatever their number (64 ranks: 63 peers a poll); else an `add` of 0 each, which makes a
+    missing one at 0 (a peer whose watchdog has not started yet: `multi_get` would wait for it)."""
+    if exist:
+        return [int(v) for v in store.multi_get(keys)]
+    return [store.add(k, 0) for k in keys]
 
 
 def peers(timeout_s: float, name: str) -> Peers:
