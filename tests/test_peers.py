@@ -211,3 +211,4 @@ def test_ranks_agree_on_the_restart_attempt_through_the_store_not_their_own_coun
                               "within 0.3 s")
     said = agree(store, [(0, 0.0, 0.3)])  # rank 0 restarted alone
     assert said[0].startswith("process group: attempt 5: rank(s) 1 did not join within 0.3 s")
+
