@@ -83,15 +83,28 @@ def free_kv_rule(sampler, capacity: float):
     """The report's rule (§3.2): room while the engine says it can start one more rollout now, `sampler.kv_room()`
     > 0 (vLLM: nothing waits and its KV cache has free blocks; samplers/hf.py: a free slot), one claim per ask, so
     the engine has seen the last one before the next; a rank with nothing unfinished always has room. An engine
-    that cannot say (no `kv_room`, or None) falls back to `count_rule`."""
-    count = count_rule(sampler, capacity)
+    that cannot say stops the run with one line (`check_kv_room`): its claims never quietly follow another rule."""
+    check_kv_room(sampler)
+    return lambda running, taken: taken == 0 and (running == 0 or sampler.kv_room() > 0)
 
-    def room(running: int, taken: int) -> bool:
-        free = getattr(sampler, "kv_room", lambda: None)()
-        if free is None:
-            return count(running, taken)
-        return taken == 0 and (running == 0 or free > 0)
-    return room
+
+def kv_room_missing(sampler) -> str | None:
+    """What keeps `sampler` from reporting its free KV cache to free_kv_rule, in words (the sampler's own
+    `kv_room_missing()` where it has one); None when it can."""
+    name = type(sampler).__name__
+    if not callable(getattr(sampler, "kv_room", None)):
+        return f"{name} has no kv_room()"
+    if sampler.kv_room() is None:
+        return getattr(sampler, "kv_room_missing", lambda: None)() or f"{name}.kv_room() gives None"
+    return None
+
+
+def check_kv_room(sampler) -> None:
+    """SystemExit with one line naming what is missing when `sampler` cannot report its free KV cache."""
+    missing = kv_room_missing(sampler)
+    if missing:
+        raise SystemExit(f"config error: claim_rule=free_kv claims while the engine's KV cache has room, and "
+                         f"{missing}; claim_rule=count claims by the count of unfinished rollouts instead")
 
 
 CLAIM_RULES = {"free_kv": free_kv_rule, "count": count_rule}

@@ -36,7 +36,9 @@ optimizer step changes nothing), the process's memory outside torch's allocator 
 memory_plan.PROCESS_GB's estimate), what torch keeps reserved after the update and an `empty_cache()` (fragmentation,
 which the plan does not count), and one call of the code tool (a random model never calls it).
 
-Where vLLM is installed, one line per GPU-only check (`GPU_CHECKS`; --cpu names each as skipped): LoRA's hand-off
+Where vLLM is installed, one line per GPU-only check (`GPU_CHECKS`; --cpu names each as skipped): the sleep
+preflight (`sleep_preflight`: level-2 sleep, wake the weights, reload, wake the KV cache, score, three times with
+CUDA graphs on, printing the memory each sleep freed), LoRA's hand-off
 after a level-2 sleep (the merged layers alone refused, every weight passing the hand-off check), seeded requests
 equal token for token across a sleep and a hand-off of unchanged weights, the hand-off check's gap on the GPU
 beside its tolerance, and a process with an async-scheduling engine ending with 0 at once after main() returns.
@@ -641,7 +643,74 @@ def exit_under_async_scheduling(work: Path, files: dict, env: dict) -> tuple[str
     return f"exit     async scheduling: status 0, {seconds:.1f} s after main() returned", None
 
 
+# The sleep cycle as train.py runs it, on an engine with CUDA graphs (the other checks run eager): level-2 sleep,
+# the weights woken, every weight reloaded from the trainer, the KV cache woken, a score; SLEEP_CYCLES times, the
+# GPU's free memory read before and after each sleep (torch's cache handed back first, as the sampler does).
+SLEEP_PREFLIGHT = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from plumbing import handoff
+from samplers.vllm_engine import VLLMSampler, release_cached_memory
+
+path, out, cycles = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tok = AutoTokenizer.from_pretrained(path)
+trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
+sampler = VLLMSampler(path, tok, seed=0, dtype="bfloat16", enforce_eager=False, gpu_memory_utilization=0.3,
+                      enable_sleep_mode=True)
+probe = tok.encode("Compute 12*34 with Python, then give the answer in a box.", add_special_tokens=False) * 8
+ours = handoff.sequence_logprobs(trainer, probe)
+result = {"tolerance": handoff.handoff_tolerance(sampler.dtype, torch.bfloat16), "weights_gb":
+          sum(p.numel() * p.element_size() for p in trainer.parameters()) / 1e9, "freed_gb": [], "gaps": []}
+
+def free_gb():
+    release_cached_memory()
+    return torch.cuda.mem_get_info()[0] / 1e9
+
+for _ in range(cycles):
+    before = free_gb()
+    sampler.sleep()
+    result["freed_gb"].append(free_gb() - before)
+    sampler.wake_up(tags=["weights"])
+    sampler.update_weights(trainer)  # every weight (level 2 discarded them), then the KV cache wakes
+    result["awake"] = not sampler.sleeping
+    result["gaps"].append((torch.tensor(sampler.score(probe)) - ours).abs().mean().item())
+sampler.close()
+open(out, "w").write(json.dumps(result))
+"""
+SLEEP_CYCLES = 3
+SLEEP_KEPT = 0.8  # each sleep frees at least this share of what the first one freed
+
+
+def sleep_preflight(work: Path, files: dict, env: dict) -> tuple[str, str | None]:
+    """SLEEP_PREFLIGHT: the GB each sleep freed, and a problem when one frees less than the model's bf16 weights
+    or less than SLEEP_KEPT of the first, when the engine is left asleep, or a score's gap is over the tolerance."""
+    out = work / "sleep_preflight.json"
+    if not out.is_file():
+        script, log = work / "sleep_preflight.py", work / "sleep_preflight.log"
+        script.write_text(SLEEP_PREFLIGHT)
+        with open(log, "w") as err:
+            done = subprocess.run([sys.executable, str(script), str(files["model"]), str(out), str(SLEEP_CYCLES)],
+                                  cwd=ROOT, env=env, stdout=err, stderr=err, timeout=600)
+        if done.returncode != 0:
+            print(log.read_text()[-4000:])
+            return "sleep    preflight: the process failed", "the sleep preflight failed"
+    r = json.loads(out.read_text())
+    freed, gaps = r["freed_gb"], r["gaps"]
+    line = (f"sleep    level 2, wake weights, reload, wake KV cache, score, x{len(freed)} (CUDA graphs on): freed "
+            + ", ".join(f"{f:.2f}" for f in freed) + f" GB (weights {r['weights_gb']:.2f}); gap at most "
+            f"{max(gaps):.3g} (tolerance {r['tolerance']:g})")
+    bad = ([f"a sleep freed {min(freed):.2f} GB, less than the weights' {r['weights_gb']:.2f}"]
+           * (min(freed) < r["weights_gb"])
+           + [f"sleep {i + 1} freed {f:.2f} GB of the first's {freed[0]:.2f}" for i, f in enumerate(freed)
+              if f < SLEEP_KEPT * freed[0]][:1]
+           + ["the engine was left asleep"] * (not r["awake"])
+           + [f"a score after waking is off by {max(gaps):.3g}"] * (max(gaps) > r["tolerance"]))
+    return line, ("sleep preflight: " + "; ".join(bad)) if bad else None
+
+
 GPU_CHECKS = [  # each (work, files, env) -> (its line, a problem or None); on --cpu each is named as skipped
+    sleep_preflight,
     lora_after_sleep,
     seeded_across_sleep,
     handoff_gap,

@@ -73,7 +73,9 @@ launch (`accelerate launch --config_file configs/accelerate/fsdp_*.yaml`, or tes
    call) keeps beating, whatever its main thread is doing. A peer whose counter has not moved for `peer_timeout_s` is
    named in one line with the step and phase it was last seen in; the first rank to see it writes that in the store,
    so every live rank says it within a poll, and each ends its process with exit status 1 (os._exit: its main thread
-   may never return from the collective), after NCCL's abort where the backend is NCCL. The store is torchrun's
+   may never return from the collective), after NCCL's abort where the backend is NCCL. A poll costs the store
+   four round trips whatever the number of ranks: every peer's counter is read with one `multi_get`
+   (`read_counters`; bench/store_load.py measures it at 64 and 128 ranks). The store is torchrun's
    agent's, not rank 0's, so a stopped rank 0 is named like any other; the watchdog talks to it through a client of
    its own whose operations give up after `peer_timeout_s` (10 s at least), and an agent that is gone stops the rank
    with one line. A rank that ends says so first: normally, and the ranks still finishing do not name it; with an
@@ -100,6 +102,10 @@ INIT_TIMEOUT_S = 600            # every rank of a (re)started group joins within
 FAILED = threading.Event()      # set when this process's work ends with an error: its watchdog tells the peers
 REDUCE_DTYPE = torch.float32    # FSDP2 reduce-scatters gradients in this dtype under mixed_precision=bf16
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}  # the values the configs accept -> compute dtype
+# torch's GPU allocator setting for the trainer (`cuda_allocator_conf`) unless the user gives one under any of the
+# names torch 2.13 reads: segments that grow in place, so the update's varying sizes fragment less
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
 
 def check_tracker(report_to: str | None) -> None:
@@ -114,6 +120,14 @@ def check_tracker(report_to: str | None) -> None:
         hint = "pip install -e '.[tensorboard]'" if report_to == "tensorboard" else f"pip install {report_to}"
         raise SystemExit(f"config error: report_to={report_to} but its package is not installed ({hint}, or "
                          "report_to=null to log to metrics.jsonl only)")
+
+
+def cuda_allocator_conf() -> None:
+    """Set ALLOC_CONF in this process's environment unless one of ALLOC_CONF_NAMES is set; torch reads it when CUDA
+    initialises, so this comes first in the trainer's set-up. vLLM turns expandable segments off itself while it
+    allocates in its own pools (`CuMemAllocator.use_memory_pool`), which its sleep mode needs."""
+    if not any(os.environ.get(name) for name in ALLOC_CONF_NAMES):
+        os.environ[ALLOC_CONF[0]] = ALLOC_CONF[1]
 
 
 def fsdp_plugin(mixed_precision: str):
@@ -201,18 +215,25 @@ def make_accelerator(*, mixed_precision: str, report_to: str | None, out_dir: st
                        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))])
 
 
+def runs_nccl() -> bool:
+    """Whether NCCL is among the backends torch set up for the default group (which must be up): its
+    `get_backend_config`, "cuda:nccl" for a group started without naming a backend on a GPU machine, as
+    `start_process_group` does, and for Accelerate's "nccl" too. `get_backend()` is no answer: it says "undefined"
+    for the first (torch 2.13)."""
+    import torch.distributed as dist
+    return "nccl" in dist.get_backend_config()
+
+
 def end_process_group(failed: bool = False) -> None:
     """Destroy the default process group if one is up (a no-op otherwise, and after `Accelerator.end_training`).
-    On an error path (`failed`) a group with NCCL among its backends is aborted instead: a graceful destroy waits
-    for work that a dead or stuck peer may never finish; and nothing raised here hides the error that brought the
-    rank out. The backends are the ones torch set up for the group (`get_backend_config`: "cuda:nccl" for one
-    started without naming a backend on a GPU machine, as `start_process_group` does, "cuda:nccl" too for
-    Accelerate's "nccl"); `get_backend()` says "undefined" for the first (torch 2.13)."""
+    On an error path (`failed`) a group with NCCL among its backends (`runs_nccl`) is aborted instead: a graceful
+    destroy waits for work that a dead or stuck peer may never finish; and nothing raised here hides the error that
+    brought the rank out."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
-        if failed and "nccl" in dist.get_backend_config() and hasattr(dist.distributed_c10d, "_abort_process_group"):
+        if failed and runs_nccl() and hasattr(dist.distributed_c10d, "_abort_process_group"):
             dist.distributed_c10d._abort_process_group()
         else:
             dist.destroy_process_group()
@@ -561,6 +582,7 @@ def watchdog(peers: Peers, store, closed: threading.Event, abort: Callable[[], N
     rank and where it was last seen."""
     key, me, seen = peers.watch_key, peers.rank, {}
     others = [r for r in range(peers.world) if r != me]
+    alive, polls = [key(f"alive/{r}") for r in others], 0
     try:
         while not closed.is_set():
             store.add(key(f"alive/{me}"), 1)
@@ -576,10 +598,10 @@ def watchdog(peers: Peers, store, closed: threading.Event, abort: Callable[[], N
                          f"in {store.get(key(f'at/{failed[0]}')).decode()}")
                 silent = []
             else:
-                for r in others:
-                    beats = store.add(key(f"alive/{r}"), 0)
+                for r, beats in zip(others, read_counters(store, alive, exist=polls > 0)):
                     if seen.get(r, (None,))[0] != beats:
                         seen[r] = (beats, now)
+                polls += 1
                 silent = [r for r in others if now - seen[r][1] > peers.timeout_s
                           and not store.check([key(f"gone/{r}")])]
                 if not silent:
@@ -602,6 +624,15 @@ def watchdog(peers: Peers, store, closed: threading.Event, abort: Callable[[], N
         if not closed.is_set() and peers.stopping.acquire(blocking=False):
             peers.stop(f"{peers.name}: {peers.at}: rank {me} lost the process group's store ({type(e).__name__}: "
                        f"{str(e).splitlines()[0] if str(e) else ''}); it stops", abort)
+
+
+def read_counters(store, keys: list[str], exist: bool) -> list[int]:
+    """The values of the store's counters `keys` (made by `add`): one `multi_get` where they are known to exist,
+    one round trip whatever their number (64 ranks: 63 peers a poll); else an `add` of 0 each, which makes a
+    missing one at 0 (a peer whose watchdog has not started yet: `multi_get` would wait for it)."""
+    if exist:
+        return [int(v) for v in store.multi_get(keys)]
+    return [store.add(k, 0) for k in keys]
 
 
 def peers(timeout_s: float, name: str) -> Peers:
@@ -633,5 +664,5 @@ def abort_process_group() -> None:
     (end_process_group(failed=True)); nothing for gloo, whose peers see the connection close when the process ends
     (a destroy would wait for the blocked collective)."""
     import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_available() and dist.is_initialized() and runs_nccl():
         end_process_group(failed=True)

@@ -114,7 +114,8 @@ def gathered_weights(model, device, dtype=None):
     for t, names in tied.values():
         cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
         if isinstance(t, DTensor):
-            t = t.to(device=device, dtype=cast).full_tensor()  # .to: parameters offloaded to CPU gather on the device
+            with torch.no_grad():  # a copy for the sampler: no autograd graph over the cast and the all-gather
+                t = t.to(device=device, dtype=cast).full_tensor()  # .to: parameters offloaded to CPU gather there
         for name in names:
             yield name, t.detach().to(cast)
 

@@ -25,7 +25,7 @@ from reward import default_pool, score_trajectories
 from rollout import rollout, rollout_sums, trajectory_record
 from samplers.hf import HFSampler
 from samplers.vllm_engine import VLLMSampler
-from schedule import wait_fraction
+from schedule import check_kv_room, wait_fraction
 
 
 @dataclass
@@ -98,6 +98,7 @@ def setup(cfg: TrainConfig, optimizer_and_schedule: Callable) -> tuple[int, Stag
     from accelerate.utils import DistributedType, set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    accel.cuda_allocator_conf()  # expandable segments unless the user set the allocator: before CUDA starts
     acc = accel.make_accelerator(mixed_precision=cfg.mixed_precision, report_to=cfg.report_to, out_dir=cfg.out_dir,
                                  timeout_s=cfg.process_group_timeout_s,  # trackers, timeouts, FSDP2 policy
                                  init_timeout_s=cfg.init_timeout_s)
@@ -164,6 +165,7 @@ def setup(cfg: TrainConfig, optimizer_and_schedule: Callable) -> tuple[int, Stag
         acc.print(f"resumed from {start} at step {step}")
     sampler = make_sampler(cfg, handoff.sampler_policy(cfg, acc, model), tokenizer)
     try:  # an error from here on ends the engine as one in the loop does (run_stage's `finally`)
+        check_sampler(cfg, sampler)
         # The sampler starts from the trainer's weights (a resumed checkpoint's too), checked before any rollout.
         probe = encode(tokenizer, fmt.prompt(problems[0]["problem"]))[:handoff.HANDOFF_PROBE_TOKENS]
         check = handoff.sync(acc, model, sampler, probe, "at the start")
@@ -190,6 +192,13 @@ def one_row_attention(model) -> bool:
     return attention.one_row(str(getattr(model.config, "_attn_implementation", "")))
 
 
+def check_sampler(cfg: TrainConfig, sampler) -> None:
+    """At start-up, one line when the sampler cannot do what the config asks of it: report its free KV cache under
+    claim_rule=free_kv (schedule.check_kv_room), rather than a rule that quietly claims by another one."""
+    if cfg.claim_rule == "free_kv":
+        check_kv_room(sampler)
+
+
 def make_sampler(cfg: TrainConfig, model, tokenizer):
     if cfg.sampler == "vllm":
         from accelerate import PartialState
@@ -203,6 +212,8 @@ def make_sampler(cfg: TrainConfig, model, tokenizer):
                            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                            tensor_parallel_size=cfg.vllm_tensor_parallel_size,
                            enforce_eager=cfg.vllm_enforce_eager, load_format="dummy",
+                           enable_sleep_mode=cfg.vllm_enable_sleep_mode,
+                           sleep_mode_offload_cudagraph=cfg.vllm_sleep_mode_offload_cudagraph,
                            group_timeout_s=cfg.process_group_timeout_s, **launcher)
     return HFSampler(model, tokenizer, batch_size=cfg.rollout_batch_size)
 

@@ -86,6 +86,9 @@ class TrainConfig:
     vllm_tensor_parallel_size: int = 1    # only 1: one single-device engine per rank
     vllm_dtype: str = "bfloat16"          # the engine's weights and activations (float32 for the tiny CPU runs)
     vllm_enforce_eager: bool = False      # no CUDA graphs / torch.compile (faster start; the CPU build's tests)
+    vllm_enable_sleep_mode: bool = True   # sleep (level 2) through each update, freeing the engine's GPU memory;
+                                          # false: no sleep calls, the engine stays resident (tools/memory_plan.py)
+    vllm_sleep_mode_offload_cudagraph: bool = True  # asleep, the CUDA graphs go to CPU RAM (false: stay on the GPU)
     # --- code tool (report §3)
     tool_workers: int = 4
     tool_timeout: float = 4.0             # seconds per call (public code: 4 s)
@@ -157,14 +160,15 @@ RANGES = {
 
 
 # Keys that may differ from the checkpoint's config on resume without `resume_allow_changes`: they change no number
-# the run computes (printing, trackers, checkpoint cadence, threads and tool workers, the vLLM memory share). Any other
-# change (steps, batch shapes, data, lr, seeds, budgets) is refused unless named in resume_allow_changes.
+# the run computes (printing, trackers, checkpoint cadence, threads and tool workers, vLLM's memory share and sleep
+# mode). Any other change (steps, batch shapes, data, lr, seeds, budgets) is refused unless named in
+# resume_allow_changes.
 RESUME_FREE = {"resume", "resume_allow_changes", "out_dir", "dry_run", "world_size", "gpus_per_node",
                "gpu_memory_gb", "model_shape", "fsdp", "log_every", "report_to", "save_every", "save_rollouts_every",
                "keep_checkpoints",
                "torch_threads", "tool_workers", "tool_backend", "tool_require_isolation",
-               "vllm_gpu_memory_utilization", "process_group_timeout_s", "peer_timeout_s",
-               "init_timeout_s"}
+               "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_sleep_mode_offload_cudagraph",
+               "process_group_timeout_s", "peer_timeout_s", "init_timeout_s"}
 
 
 def check_inputs(cfg: TrainConfig, tokenizer, fmt, problems: list[dict]) -> None:

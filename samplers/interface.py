@@ -40,7 +40,8 @@ Three implementations, in samplers/:
 Across ranks, schedule.py hands each engine a few of the step's rollouts at a time as it frees up (the report's
 scheduler, §3.2); the engine packs its own KV cache. Under `claim_rule: free_kv` a rank claims while its engine's
 `kv_room()` is above 0 (vLLM: free KV-cache tokens, 0 while a request waits; HFSampler: free slots); a sampler
-without it, or returning None, is claimed for by the count of unfinished rollouts.
+without it, or returning None, stops the run at start-up with one line (schedule.check_kv_room): `claim_rule:
+count` claims by the count of unfinished rollouts instead.
 """
 from dataclasses import dataclass
 from typing import Protocol

@@ -15,21 +15,28 @@ import itertools
 import logging
 import math
 import os
+import sys
 
 import torch
 
 from protocol import IM_END
 from samplers.interface import Completion
 
-# The oldest vLLM whose behaviour this file relies on (docs/real_scale.md, "The vLLM engine"): the layer-wise in-place
-# reload behind collective_rpc("reload_weights", weights_iterator=...), sleep level 2 keeping and restoring the model's
-# buffers, the CUDA graphs in the sleep pool (SLEEP_OFFLOAD_CUDAGRAPH) and typed prompts from the engine's renderer.
-VLLM_MIN_VERSION = (0, 32)
+# The vLLM releases this file accepts, [lowest, first refused), as pyproject.toml's extras say (docs/real_scale.md,
+# "The vLLM engine"). 0.32 is the first with the layer-wise in-place reload behind collective_rpc("reload_weights",
+# weights_iterator=...), sleep level 2 keeping and restoring the model's buffers, the CUDA graphs in the sleep pool
+# (SLEEP_OFFLOAD_CUDAGRAPH) and typed prompts from the engine's renderer; 0.34 changes what a level-2 sleep discards,
+# which the hand-off and the memory plan read from 0.32 and 0.33.
+VLLM_VERSIONS = ((0, 32), (0, 34))
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM's CPU build: KV-cache size when not given (its default is a share of host RAM)
 SLEEP_LEVEL = 2  # 2: weights and KV cache discarded (1 would copy them to CPU RAM); the next hand-off sends every one
-# The engine argument that puts the CUDA graphs in the pool sleep copies to CPU RAM (default False: they stay on the
-# GPU while asleep); build_engine passes it True with sleep mode where this vLLM's EngineArgs has it.
+# The engine argument that puts the CUDA graphs in the pool sleep copies to CPU RAM (vLLM's default False: they stay
+# on the GPU while asleep); engine_kwargs passes it True with sleep mode, unless the caller gives it, where this
+# vLLM's EngineArgs has it.
 SLEEP_OFFLOAD_CUDAGRAPH = "sleep_mode_offload_cudagraph"
+# What kv_room reads, from vllm.LLM down to the in-process scheduler (vLLM 0.32 and 0.33; VLLMSampler.kv_room).
+KV_ROOM_NAMES = tuple(f"llm_engine.engine_core.engine_core.scheduler.{name}" for name in (
+    "get_request_counts", "kv_cache_manager.block_pool.get_num_free_blocks", "max_num_running_reqs", "block_size"))
 # vLLM's own process groups (its tensor-parallel and CPU groups, built under the launcher's): their timeouts are
 # these engine arguments (vLLM 0.32, ParallelConfig), torch's defaults when unset (NCCL 10 minutes, gloo 30).
 # build_engine sets both to `group_timeout_s` when given.
@@ -66,15 +73,18 @@ class VLLMSampler:
     are captured into that pool only with `sleep_mode_offload_cudagraph=True` (an engine argument in vLLM 0.32 and
     0.33, default False; `VllmConfig.use_cumem_cudagraph_pool`, vllm/config/vllm.py, and `capture_pool`,
     vllm/compilation/cudagraph_pool.py); otherwise they go to torch's own graph pool, which sleep does not touch, so
-    they would stay on the GPU. `build_engine` turns it on wherever sleep mode is on and vLLM has the argument
-    (`SLEEP_OFFLOAD_CUDAGRAPH`). `update_weights` hands torch's cached blocks back to the driver
+    they would stay on the GPU. `engine_kwargs` turns it on with sleep mode where vLLM has the argument
+    (`SLEEP_OFFLOAD_CUDAGRAPH`; the caller's False keeps vLLM's default). `update_weights` hands torch's cached blocks back to the driver
     (`release_cached_memory`), wakes the weights (the runtime and graph pools come back with them), loads all of
     them, releases again and wakes the KV cache last: the lowest peak. Generating after `sleep()` without an update
     in between is refused (the weights are gone), and so is a partial update then: the layers it leaves out would
     keep whatever the woken memory holds. An engine built with `load_format="dummy"` (vLLM's random weights, no
-    checkpoint read) is in the same state until its first update. Platforms without sleep mode (vLLM's CPU build)
-    keep everything resident and `sleep()` does nothing. PYTORCH_CUDA_ALLOC_CONF is left alone: vLLM turns
-    expandable segments off itself while it allocates in its pools (`CuMemAllocator.use_memory_pool`).
+    checkpoint read) is in the same state until its first update. Sleep mode is a setting (`enable_sleep_mode`,
+    train.py's `vllm_enable_sleep_mode`), not the platform's answer alone (vLLM says yes for every ROCm GPU):
+    turned off, and on platforms without it (vLLM's CPU build), the engine keeps everything resident and `sleep()`
+    does nothing. PYTORCH_CUDA_ALLOC_CONF is the trainer's
+    (expandable segments: `accel.cuda_allocator_conf`): vLLM turns expandable segments off itself while it
+    allocates in its pools (`CuMemAllocator.use_memory_pool`).
 
     One engine per training rank: under `torchrun` / `accelerate launch` pass `distributed_executor_backend=
     "external_launcher"` and a per-rank seed (train.py does), and each rank's engine takes the rank's own device.
@@ -91,7 +101,10 @@ class VLLMSampler:
     group of one) itself. `close()` says when to call it.
 
     tokenizer (or im_end_id): where the <|im_end|> id comes from (default: the engine's tokenizer).
-    enable_sleep_mode: None = where the platform has it (CUDA, ROCm, XPU).
+    enable_sleep_mode: sleep through each update where the platform has sleep mode (None or True; vLLM's CPU build
+    has none, and its engine stays resident); False: never, no sleep calls, the engine keeps its GPU memory.
+    sleep_mode_offload_cudagraph (vLLM's keyword): with sleep mode, the CUDA graphs go to CPU RAM while asleep
+    (True unless given; dropped without sleep mode).
     group_timeout_s: the timeout of vLLM's own process groups (`GROUP_TIMEOUTS`; None: torch's defaults).
     llm: an engine object to use instead of building one (tests pass a fake); extra keywords go to `vllm.LLM`."""
 
@@ -157,8 +170,8 @@ class VLLMSampler:
         """Free KV-cache tokens now (schedule.free_kv_rule): the scheduler's free blocks x block size, 0 while a
         request waits (queued, or preempted for room) or the engine runs its `max_num_seqs`; free blocks include
         cached prefixes nobody uses, which vLLM evicts for new ones. vLLM 0.32's in-process engine core
-        (`LLMEngine.engine_core.engine_core.scheduler`); None where it is not there (an engine in another
-        process, a fake)."""
+        (`LLMEngine.engine_core.engine_core.scheduler`, KV_ROOM_NAMES); None where it is not there (an engine in
+        another process, a fake: `kv_room_missing` says what is missing)."""
         try:
             scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
             running, waiting = scheduler.get_request_counts()
@@ -167,6 +180,17 @@ class VLLMSampler:
         except AttributeError:
             return None
         return 0 if waiting or running >= limit else free * block
+
+    def kv_room_missing(self) -> str | None:
+        """The first of KV_ROOM_NAMES this engine lacks, in one phrase (None: kv_room can answer)."""
+        for path in KV_ROOM_NAMES:
+            at = self.llm
+            for depth, name in enumerate(path.split(".")):
+                if not hasattr(at, name):
+                    return (f"this vLLM engine has no {'.'.join(path.split('.')[:depth + 1])} (vLLM "
+                            f"{_vllm_version()}: kv_room reads vLLM 0.32-0.33's in-process scheduler)")
+                at = getattr(at, name)
+        return None
 
     def _params(self, max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None):
         from vllm import SamplingParams
@@ -318,8 +342,8 @@ RELOAD_DONE_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
 
 
 def build_engine(group_timeout_s: float | None = None, **kwargs):
-    """`vllm.LLM(**kwargs)` in this process, with the process-wide state it changes put back (see VLLMSampler);
-    group_timeout_s: the engine arguments GROUP_TIMEOUTS, where this vLLM has them."""
+    """`vllm.LLM(**engine_kwargs(...))` in this process, with the process-wide state it changes put back (see
+    VLLMSampler)."""
     if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
         raise SystemExit("config error: VLLM_ENABLE_V1_MULTIPROCESSING is set to "
                          f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}; VLLMSampler hands the weights to the "
@@ -327,21 +351,7 @@ def build_engine(group_timeout_s: float | None = None, **kwargs):
     import vllm
     from vllm.platforms import current_platform
     check_vllm_version(vllm.__version__)
-    for name in GROUP_TIMEOUTS if group_timeout_s else ():
-        if engine_has_argument(vllm, name):
-            kwargs.setdefault(name, math.ceil(group_timeout_s))
-    if kwargs.get("enable_sleep_mode") is None:
-        kwargs["enable_sleep_mode"] = current_platform.is_sleep_mode_available()
-    if kwargs["enable_sleep_mode"] and engine_has_argument(vllm, SLEEP_OFFLOAD_CUDAGRAPH):
-        kwargs.setdefault(SLEEP_OFFLOAD_CUDAGRAPH, True)  # the graphs to CPU RAM while asleep, not kept on the GPU
-    if current_platform.is_cpu() and "kv_cache_memory_bytes" not in kwargs \
-            and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-    if current_platform.is_cpu():
-        # A prompt prefilled in chunks draws a token it throws away, and vLLM then rewinds the request's seeded
-        # generator by its offset, which CPU generators lack ("CPU Generator does not use offset", vLLM 0.32): on
-        # CPU every prompt is prefilled in one step.
-        kwargs.setdefault("enable_chunked_prefill", False)
+    kwargs = engine_kwargs(vllm, current_platform, group_timeout_s, **kwargs)
     reload_log = logging.getLogger(RELOAD_LOGGER)
     if not any(isinstance(f, QuietRotaryReload) for f in reload_log.filters):
         reload_log.addFilter(QuietRotaryReload())
@@ -359,12 +369,47 @@ def build_engine(group_timeout_s: float | None = None, **kwargs):
             os.environ["LD_PRELOAD"] = preload
 
 
+def engine_kwargs(vllm, platform, group_timeout_s: float | None = None, **kwargs) -> dict:
+    """`vllm.LLM`'s keywords from VLLMSampler's: group_timeout_s as the engine arguments GROUP_TIMEOUTS, sleep mode
+    where asked for (`enable_sleep_mode` not False) and `platform` has it (vllm.platforms.current_platform), then
+    the CUDA graphs' offload (SLEEP_OFFLOAD_CUDAGRAPH; True unless given, none without sleep mode); each only where
+    this vLLM has the argument. On the CPU build: a KV cache of CPU_KV_CACHE_BYTES unless one is given, and no
+    chunked prefill."""
+    for name in GROUP_TIMEOUTS if group_timeout_s else ():
+        if engine_has_argument(vllm, name):
+            kwargs.setdefault(name, math.ceil(group_timeout_s))
+    kwargs["enable_sleep_mode"] = kwargs.get("enable_sleep_mode") is not False and platform.is_sleep_mode_available()
+    if not (kwargs["enable_sleep_mode"] and engine_has_argument(vllm, SLEEP_OFFLOAD_CUDAGRAPH)):
+        kwargs.pop(SLEEP_OFFLOAD_CUDAGRAPH, None)
+    else:
+        kwargs.setdefault(SLEEP_OFFLOAD_CUDAGRAPH, True)  # the graphs to CPU RAM while asleep, not kept on the GPU
+    if platform.is_cpu() and "kv_cache_memory_bytes" not in kwargs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    if platform.is_cpu():
+        # A prompt prefilled in chunks draws a token it throws away, and vLLM then rewinds the request's seeded
+        # generator by its offset, which CPU generators lack ("CPU Generator does not use offset", vLLM 0.32): on
+        # CPU every prompt is prefilled in one step.
+        kwargs.setdefault("enable_chunked_prefill", False)
+    return kwargs
+
+
+def vllm_range() -> str:
+    """VLLM_VERSIONS as pip writes it: ">=0.32,<0.34"."""
+    low, high = (".".join(map(str, v)) for v in VLLM_VERSIONS)
+    return f">={low},<{high}"
+
+
 def check_vllm_version(version: str) -> None:
-    """SystemExit with one line naming both versions when `version` (vllm.__version__) is below VLLM_MIN_VERSION."""
+    """SystemExit with one line naming both when `version` (vllm.__version__) is outside VLLM_VERSIONS."""
     found = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
-    if found < VLLM_MIN_VERSION:
-        raise SystemExit(f"config error: VLLMSampler needs vllm>={'.'.join(map(str, VLLM_MIN_VERSION))} "
-                         f"(its sleep levels and in-place weight reload), found {version}")
+    if not VLLM_VERSIONS[0] <= found < VLLM_VERSIONS[1]:
+        low, high = (".".join(map(str, v)) for v in VLLM_VERSIONS)
+        raise SystemExit(f"config error: VLLMSampler needs vllm{vllm_range()} ({low} first has its sleep levels and "
+                         f"in-place weight reload; {high} changes what a level-2 sleep discards), found {version}")
+
+
+def _vllm_version() -> str:
+    return getattr(sys.modules.get("vllm"), "__version__", "not imported")
 
 
 def engine_has_argument(vllm, name: str) -> bool:

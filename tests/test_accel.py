@@ -111,6 +111,31 @@ def test_train_and_sft_build_their_accelerator_with_the_config_s_fields(monkeypa
                     "init_timeout_s": 600}
 
 
+@pytest.mark.parametrize("given, expected", [
+    ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}),
+])
+def test_train_s_set_up_sets_expandable_segments_before_cuda_unless_the_user_set_the_allocator(monkeypatch, given,
+                                                                                               expected):
+    """rl_stage.setup: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is in the environment before the
+    Accelerator (the first to touch CUDA) is built, unless an allocator setting is given, which stays as it is."""
+    for name in accel.ALLOC_CONF_NAMES:  # unset, and unset again afterwards (what the set-up sets included)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    at_accelerator = {}
+
+    def record(**kwargs):
+        at_accelerator.update({n: os.environ[n] for n in accel.ALLOC_CONF_NAMES if n in os.environ})
+        raise SystemExit("captured")
+    monkeypatch.setattr(accel, "make_accelerator", record)
+    with pytest.raises(SystemExit, match="captured"):
+        train.main(["configs/tiny/stage1.yaml"])
+    assert at_accelerator == expected
+
+
 @pytest.fixture
 def no_trackers(monkeypatch):
     import accelerate.tracking

@@ -1,7 +1,8 @@
 """How an entry point ends when something is left running or a rank fails (plumbing/accel.py, point 4): a live
-thread pool does not keep the process alive after `main()`; a failed rank aborts a group that runs NCCL, however
-the group was started; and on an error path the sampler's own shutdown (vLLM's destroys the launcher's group
-gracefully) does not run before the group is ended. The multi-process ones run on 2 CPU processes under torchrun."""
+thread pool does not keep the process alive after `main()`; a failed rank, and a watchdog that names a silent one,
+abort a group that runs NCCL, however the group was started; and on an error path the sampler's own shutdown (vLLM's
+destroys the launcher's group gracefully) does not run before the group is ended. The multi-process ones run on 2 CPU
+processes under torchrun."""
 import json
 import os
 import subprocess
@@ -90,6 +91,42 @@ def test_a_failed_rank_of_an_nccl_group_takes_the_abort(tmp_path):
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     # started without naming a backend, as start_process_group does: "undefined", with NCCL for CUDA under it
     assert ranks == [{"aborted": True, "backend": "undefined", "backends": "cuda:nccl"}] * 2
+
+
+WATCHED_NCCL_GROUP = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+from plumbing import accel
+c10d, out, rank = dist.distributed_c10d, sys.argv[1], int(os.environ["RANK"])
+
+accel.start_process_group(60)
+on_cpu = torch._C._get_accelerator  # the backends torch records on a GPU machine, as in NCCL_GROUP above
+torch._C._get_accelerator = lambda: torch.device("cuda")
+c10d._world.pg_backend_config[c10d._get_default_group()] = str(c10d.BackendConfig(dist.get_backend()))
+torch._C._get_accelerator = on_cpu
+
+def abort(group=None):  # NCCL's abort, recorded at once: the watchdog ends the process with os._exit
+    open(f"{out}/aborted{rank}", "w").write(dist.get_backend())
+
+c10d._abort_process_group = abort
+if rank == 1:  # rank 1 runs no watchdog: to rank 0 it is silent from the start
+    accel.Peers.watch = lambda self, store=None, abort=None: None
+accel.peers(2, "t")
+time.sleep(60)  # as if blocked in a collective: only rank 0's watchdog can end it
+"""
+
+
+def test_the_watchdog_aborts_an_nccl_group_started_without_naming_a_backend(tmp_path):
+    script, out = tmp_path / "entry.py", tmp_path / "out"
+    script.write_text(WATCHED_NCCL_GROUP)
+    out.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(script), str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "t: set-up: rank 1 made no progress for 2 s" in done.stderr, done.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["aborted0"]  # rank 0's watchdog took NCCL's abort
+    assert (out / "aborted0").read_text() == "undefined"  # though get_backend() says nothing of NCCL
 
 
 @pytest.fixture(scope="module")

@@ -227,3 +227,15 @@ def test_two_nodes_whose_restart_counts_differ_meet_on_one_attempt(data):
     second.communicate(timeout=120)
     assert first.returncode != 0
     assert "process group: attempt 1: rank(s) 1 did not join within 20 s" in err0, err0[-3000:]
+
+
+def test_the_store_bench_counts_a_poll_s_operations_old_and_new():
+    """bench/store_load.py on 4 clients: the old loop's poll is 3 + 3 peers' round trips, the new one's 4; the
+    table's rows and the ratio line are printed."""
+    done = subprocess.run([sys.executable, "bench/store_load.py", "--clients", "4", "--seconds", "1.0", "--poll",
+                           "0.1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {tuple(line.split()[:2]): line.split() for line in done.stdout.splitlines()[2:]}
+    assert float(rows[("4", "old")][3]) == 6.0 and float(rows[("4", "new")][3]) == 4.0
+    ratio = float(done.stdout.split("4 new/old store operations: ")[1].split()[0])
+    assert 0.5 < ratio < 0.8  # 4 / 6, to the polls' timing

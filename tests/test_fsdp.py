@@ -126,6 +126,33 @@ def test_gathered_weights_send_a_tied_weight_under_each_name_in_the_sampler_s_dt
     assert {t.dtype for _, t in gathered_weights(model, "cpu")} == {torch.float32}
 
 
+def test_the_hand_off_gathers_sharded_weights_outside_autograd(monkeypatch):
+    """gathered_weights on a DTensor parameter that requires grad (FSDP2's, here on a one-process gloo group): the
+    cast and the all-gather run under no_grad, so neither keeps an autograd graph, and the values are the whole
+    parameter's."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from plumbing.handoff import gathered_weights
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = dist.device_mesh.init_device_mesh("cpu", (1,))
+        layer = torch.nn.Linear(4, 3, bias=False)
+        whole = layer.weight.detach().clone()
+        layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))
+        seen, full_tensor = [], DTensor.full_tensor
+
+        def recorded(self, **kwargs):
+            out = full_tensor(self, **kwargs)
+            seen.append((torch.is_grad_enabled(), self.grad_fn is None, out.grad_fn is None))
+            return out
+        monkeypatch.setattr(DTensor, "full_tensor", recorded)
+        sent = dict(gathered_weights(layer, "cpu", torch.bfloat16))
+    finally:
+        dist.destroy_process_group()
+    assert seen == [(False, True, True)]  # no grad mode, no graph on the cast shard nor on the gathered tensor
+    assert torch.equal(sent["weight"], whole.to(torch.bfloat16)) and not sent["weight"].requires_grad
+
+
 def test_sft_under_fsdp_saves_the_whole_model_of_one_process(tiny, tmp_path):
     """sft.py's save under FSDP2 (it wrote DTensor shards through save_pretrained and failed): two ranks with
     micro-batch 4 match one rank accumulating two micro-batches (as tests/test_sft.py checks for DDP)."""

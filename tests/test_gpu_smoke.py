@@ -198,7 +198,8 @@ def test_the_vllm_lines_are_named_skipped_on_the_cpu(tmp_path, capsys):
     """--cpu: each GPU-only vLLM line says it was skipped, and nothing is run."""
     gpu_smoke.gpu_checks("cpu", tmp_path, {}, {})
     out = capsys.readouterr().out.splitlines()
-    for name in ("lora_after_sleep", "seeded_across_sleep", "handoff_gap", "exit_under_async_scheduling"):
+    for name in ("sleep_preflight", "lora_after_sleep", "seeded_across_sleep", "handoff_gap",
+                 "exit_under_async_scheduling"):
         assert f"skipped  {name}: needs a GPU" in out
     assert not list(tmp_path.iterdir())
 
@@ -227,3 +228,30 @@ def test_the_vllm_lines_judge_the_probe_s_measurements(tmp_path, capsys, monkeyp
             gpu_smoke.gpu_checks("gpu", tmp_path, {}, {})
     out = capsys.readouterr().out
     assert "192 tokens" in out and f"gap {measured['gap']:g} per token on the GPU (tolerance 0.1" in out
+
+
+@pytest.mark.parametrize("change, message", [
+    ({}, None),
+    ({"freed_gb": [21.5, 21.4, 9.0]}, "sleep 3 freed 9.00 GB of the first's 21.50"),
+    ({"freed_gb": [0.9, 0.9, 0.9]}, "a sleep freed 0.90 GB, less than the weights' 1.19"),
+    ({"awake": False}, "the engine was left asleep"),
+    ({"gaps": [0.01, 0.3, 0.01]}, "a score after waking is off by 0.3"),
+])
+def test_the_sleep_preflight_prints_what_each_sleep_freed_and_fails_on_a_bad_cycle(tmp_path, capsys, monkeypatch,
+                                                                                   change, message):
+    """The preflight's line reads its process's measurements (written here as it writes them): the GB each sleep
+    freed beside the weights, and the largest gap after waking; a sleep that frees less than the weights or than
+    most of the first, an engine left asleep, or a gap over the tolerance fails the check."""
+    measured = {"tolerance": 0.1, "weights_gb": 1.19, "freed_gb": [21.5, 21.4, 21.5], "gaps": [0.01, 0.012, 0.011],
+                "awake": True, **change}
+    (tmp_path / "sleep_preflight.json").write_text(json.dumps(measured))
+    monkeypatch.setattr(gpu_smoke.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(gpu_smoke, "GPU_CHECKS", [gpu_smoke.sleep_preflight])
+    if message is None:
+        gpu_smoke.gpu_checks("gpu", tmp_path, {}, {})
+    else:
+        with pytest.raises(SystemExit, match=message):
+            gpu_smoke.gpu_checks("gpu", tmp_path, {}, {})
+    freed = ", ".join(f"{f:.2f}" for f in measured["freed_gb"])
+    assert (f"sleep    level 2, wake weights, reload, wake KV cache, score, x3 (CUDA graphs on): freed {freed} GB "
+            "(weights 1.19)") in capsys.readouterr().out

@@ -104,6 +104,25 @@ def test_qwen3_14b_on_64_gpus_by_vllm_s_rules():
     assert small["update_peak"] < small["rollout_peak"] < 85.5 < small["rollout_peak"] + 20  # 19 GB to spare
 
 
+def test_the_sleep_mode_setting_keeps_the_engine_resident_in_the_update_s_peak(capsys):
+    """vllm_enable_sleep_mode=false: the engine's whole share (75.35 GB on an H200) stays through the update, where
+    asleep it keeps 0.5 GB; CUDA graphs kept on the GPU while asleep add theirs (1.0 GB). The 14B plan then says
+    the update does not fit."""
+    shape = Shape.from_config(PUBLIC_CONFIGS["qwen3-14b"])
+    plan = dict(shard=8, fsdp=True, micro_batch=1, seq_tokens=14_336, gradient_checkpointing=True, sampler="vllm",
+                world=64, engine_fraction=0.5, gpu_gb=150.7)
+    asleep, awake = memory_per_gpu(shape, **plan), memory_per_gpu(shape, engine_sleeps=False, **plan)
+    graphs_kept = memory_per_gpu(shape, engine_graphs_offloaded=False, **plan)
+    assert awake["update_peak"] - asleep["update_peak"] == pytest.approx(75.35 - 0.5)
+    assert graphs_kept["update_peak"] - asleep["update_peak"] == pytest.approx(1.0)
+    assert awake["rollout_peak"] == asleep["rollout_peak"]
+    train.main(["configs/qwen3-14b/stage1.yaml", "dry_run=true", "world_size=64", "vllm_enable_sleep_mode=false",
+                "attn_implementation=flash_attention_2"])
+    out = capsys.readouterr().out
+    assert "engine awake 75.3 (vllm_enable_sleep_mode=false)" in out and "= 171.9 of 150.7 GB  OVER" in out
+    assert "no sleep (vllm_enable_sleep_mode=false): the engine keeps its weights" in out
+
+
 def test_each_rank_has_its_own_device_on_its_node_and_its_own_seed():
     layout = engine_layout(world=16, gpus_per_node=8, seed=5)
     assert [(e["node"], e["device"]) for e in layout[7:10]] == [(0, "cuda:7"), (1, "cuda:0"), (1, "cuda:1")]

@@ -131,6 +131,38 @@ def test_the_watchdog_names_a_silent_rank_and_its_phase_on_every_live_rank(world
         assert line.startswith(f"t: step 3, update: rank {silent} made no progress for 0.5 s"), line
 
 
+class CountingStore:
+    """A store that counts its round trips, by operation (the watchdog's client on the launcher's TCP store)."""
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            return getattr(self.store, name)(*args)
+        return call
+
+
+@pytest.mark.parametrize("world", [4, 16])
+def test_the_watchdog_reads_every_peer_in_one_multi_get_a_poll_whatever_the_world(world):
+    """After its first poll (an add of 0 per peer, which makes the counters of peers not started yet), a watchdog's
+    poll is four round trips: its own beat, the stop and error checks, and one multi_get of every peer's counter."""
+    import atexit
+    peers = ranks(world, 30.0)
+    counting = CountingStore(peers[0].store)
+    real = atexit.register
+    atexit.register = lambda f: None
+    try:
+        peers[0].watch(counting)
+        time.sleep(1.0)  # about 20 polls of 0.05 s
+    finally:
+        atexit.register = real
+    calls, poll = counting.calls, ["add", "check", "add", "multi_get"]  # beat, stop?, errors, every peer
+    assert calls[:4 + world - 1] == ["set", "add", "check", "add"] + ["add"] * (world - 1)  # the first poll
+    later = calls[4 + world - 1:]
+    assert len(later) >= 10 * len(poll) and later[:len(later) // 4 * 4] == poll * (len(later) // 4), calls[-12:]
+
+
 def test_the_watchdog_does_not_name_a_rank_that_ended_and_stops_at_once_for_one_that_failed():
     from plumbing import accel
     closes = []
@@ -179,3 +211,4 @@ def test_ranks_agree_on_the_restart_attempt_through_the_store_not_their_own_coun
                               "within 0.3 s")
     said = agree(store, [(0, 0.0, 0.3)])  # rank 0 restarted alone
     assert said[0].startswith("process group: attempt 5: rank(s) 1 did not join within 0.3 s")
+

