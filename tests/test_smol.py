@@ -139,14 +139,15 @@ def quick_sft(tmp_path_factory, smol_data):
     write_jsonl(out / "rl.jsonl", [{"problem": r["messages"][0]["content"], "answer": r["answer"]} for r in rows])
     done = _run(["sft.py", str(CONFIGS / "sft.yaml"), f"model_path={MODEL}", f"data={out / 'sft.jsonl'}",
                  f"out_dir={out / 'sft'}", "epochs=3", "batch_size=4", "micro_batch_size=4", "max_steps=6",
-                 "log_every=1", "save_every=0", "torch_threads=2", "warmup_ratio=0"], timeout=600)
+                 "log_every=1", "save_every=0", "torch_threads=2", "warmup_ratio=0",
+                 "lr=2e-4"], timeout=600)  # a high rate, so that 6 steps fix the protocol on these 8
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
 
 @needs_checkpoint
 def test_smol_quick_sft_loss_falls_on_the_real_checkpoint(quick_sft):
-    losses = [r["loss"] for r in _metrics(quick_sft / "sft")]
+    losses = [r["sft/loss"] for r in _metrics(quick_sft / "sft")]
     assert len(losses) == 6 and losses[-1] < 0.7 * losses[0], losses
     before, after = _weights(MODEL), _weights(quick_sft / "sft" / "model")
     assert any(not torch.equal(before[k], after[k]) for k in after)
@@ -157,7 +158,7 @@ def _train_args(quick_sft, out, steps=2):
             f"data=[{quick_sft / 'rl.jsonl'}]", f"out_dir={out}", f"steps={steps}", "prompts_per_step=2",
             "rollouts_per_prompt=4", "group_size=2", "max_response_tokens=96", "max_turns=2", "lr=1e-5",
             "warmup_steps=0", "save_every=1", "save_rollouts_every=1", "sync_turns=true", "torch_threads=1",
-            "eval_every=0"]
+            "eval_every=0", f"eval_data={quick_sft / 'rl.jsonl'}", "eval_limit=2"]
 
 
 @needs_checkpoint
@@ -196,3 +197,29 @@ def test_smol_quick_rl_killed_after_a_checkpoint_resumes_exactly(quick_sft, tmp_
     assert _metrics(stopped) == _metrics(whole)
     a, b = _weights(whole / "model"), _weights(stopped / "model")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@needs_checkpoint
+def test_ablation_smol_two_steps_of_each_arm_on_the_real_checkpoint(quick_sft, tmp_path):
+    """`python -m smol.ablation` end to end, shortened: each arm 2 steps from the quick SFT model, its final model
+    evaluated, the table written; the arms' saved rollouts are 8 sampled per prompt and differ by arm."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = _rows(quick_sft / "rl.jsonl")
+    write_jsonl(data / "train.jsonl", rows)
+    write_jsonl(data / "test.jsonl", [{**r, "family": f} for r, f in zip(rows[:2], ["product", "divisor_sum"])])
+    root = tmp_path / "ablation"
+    done = _run(["-m", "smol.ablation", "--sft", str(quick_sft / "sft" / "model"), "--data", str(data),
+                 "--root", str(root), "--seeds", "0", "--steps", "2", "--first", "1", "--last", "1",
+                 "--override", "prompts_per_step=2", "max_response_tokens=96", "max_turns=2", "save_every=1",
+                 "save_rollouts_every=2", "sync_turns=true", "torch_threads=1",
+                 "max_response_tokens=96"], timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    out = json.loads((root / "ablation.json").read_text())
+    assert set(out["windows"]) == {"roc", "uniform", "lowest"}
+    assert all(w["seeds"] == 1 and "held_out_pass@1" in w for w in out["windows"].values())
+    for arm in ("roc", "uniform", "lowest"):
+        saved = _rows(root / f"{arm}-seed0" / "rollouts" / "step_000002.jsonl")
+        assert len(saved) == 2 * 8
+        assert json.loads((root / f"{arm}-seed0" / "eval" / "results.json").read_text())["benchmarks"]
+    assert "| roc | 1 |" in (root / "ablation.md").read_text()
