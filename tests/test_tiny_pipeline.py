@@ -55,7 +55,8 @@ def test_quick_pipeline_runs_every_stage_and_a_changed_rerun_ends_with_its_own_n
         val = json.loads((root / f"val_{stage}" / "results.json").read_text())
         assert list(val["benchmarks"]) == ["val"]  # the validation split (val.jsonl)
         assert next(iter(val["benchmarks"].values()))["pass@1"] == guard["val_accuracy"][stage]
-    assert all(p["wall_s"] > 0 and p["cpu_s"] > 0 for p in phases.values())
+    assert all(p["wall_s"] > 0 and p["cpu_s"] > 0 and p["peak_gib"] > 0.05 for p in phases.values())
+    assert "GiB at once" in done.stdout
     assert phases["sft"]["parts"]["training"] > 0
     for stage in ("stage1", "stage2"):
         rows = [json.loads(x) for x in (root / stage / "metrics.jsonl").read_text().splitlines()]
@@ -79,8 +80,8 @@ def test_quick_pipeline_runs_every_stage_and_a_changed_rerun_ends_with_its_own_n
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     real_inputs = tiny_pipeline.stage_inputs
 
-    def other_stage3(root_, stage, previous, lora):
-        config, model, extra = real_inputs(root_, stage, previous, lora)
+    def other_stage3(root_, stage, previous, lora, *rest):
+        config, model, extra = real_inputs(root_, stage, previous, lora, *rest)
         return config, model, extra + (["lr=5.0e-5"] if stage == 3 else [])
     monkeypatch.setattr(tiny_pipeline, "stage_inputs", other_stage3)
     tiny_pipeline.main(["--quick", "--root", str(root)])
@@ -195,6 +196,16 @@ def test_the_lora_pipeline_carries_stage_1_s_adapter_into_stage_2_and_starts_sta
     for s, lr in ((1, 2e-3), (2, 1e-3), (3, 1e-3)):  # each resolves to its full-fine-tuning stage, with LoRA
         lora, full = (parse_cli(TrainConfig, [f"configs/tiny/{p}stage{s}.yaml"]) for p in ("lora_", ""))
         assert (lora.lora_rank, full.lora_rank, lora.lr, lora.steps) == (16, 0, lr, full.steps)
+
+
+def test_peak_at_once_sums_the_commands_that_overlap_and_only_those():
+    phases = {"sft": {"start_s": 0.0, "wall_s": 10.0, "peak_gib": 4.0},
+              "eval_sft": {"start_s": 10.0, "wall_s": 5.0, "peak_gib": 3.0},   # beside stage1
+              "stage1": {"start_s": 10.5, "wall_s": 20.0, "peak_gib": 2.5},
+              "eval_stage1": {"start_s": 30.5, "wall_s": 5.0, "peak_gib": 1.0}}
+    assert tiny_pipeline.peak_at_once(phases) == 5.5  # eval_sft and stage1; sft ended when eval_sft began
+    phases["eval_stage1"]["peak_gib"] = None
+    assert tiny_pipeline.peak_at_once(phases) is None
 
 
 def test_seeds_parse_and_the_seed_table_gives_each_stage_mean_min_max():

@@ -181,10 +181,11 @@ class Commands:
         if hasattr(os, "wait4"):  # the CPU time of exactly this process and those it waited for
             _, status, usage = os.wait4(proc.pid, 0)
             proc.returncode, cpu = os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
+            peak = usage.ru_maxrss / 2**20  # KiB on Linux: the largest of the process and those it waited for
         else:
             proc.wait()
-            cpu = None
-        self.phases[name] = {"wall_s": time.perf_counter() - started, "cpu_s": cpu,
+            cpu = peak = None
+        self.phases[name] = {"wall_s": time.perf_counter() - started, "cpu_s": cpu, "peak_gib": peak,
                              "start_s": started - self.start, "beside_next": log is not None}
         if proc.returncode == 0:
             on_success()
@@ -320,7 +321,7 @@ def phase_parts(root: Path, name: str) -> dict:
 
 def time_table(root: Path, phases: dict, wall: float) -> tuple[dict, str]:
     """phases with their parts and start-up added, and the table printed at the end."""
-    lines = [f"{'command':<16}{'wall s':>7}{'CPU s':>7}  inside (wall s)"]
+    lines = [f"{'command':<16}{'wall s':>7}{'CPU s':>7}{'GiB':>6}  inside (wall s)"]
     phases = dict(sorted(phases.items(), key=lambda item: item[1]["start_s"]))
     for name, p in phases.items():
         p["parts"] = {k: round(v, 1) for k, v in phase_parts(root, name).items()}
@@ -328,15 +329,30 @@ def time_table(root: Path, phases: dict, wall: float) -> tuple[dict, str]:
             p["parts"]["startup_and_save"] = round(p["wall_s"] - sum(p["parts"].values()), 1)
         p["wall_s"], p["start_s"] = round(p["wall_s"], 1), round(p["start_s"], 1)
         p["cpu_s"] = None if p["cpu_s"] is None else round(p["cpu_s"], 1)
+        p["peak_gib"] = None if p.get("peak_gib") is None else round(p["peak_gib"], 2)
         cpu = "-" if p["cpu_s"] is None else f"{p['cpu_s']:.0f}"
+        peak = "-" if p["peak_gib"] is None else f"{p['peak_gib']:.1f}"
         inside = ", ".join(f"{k} {v:.0f}" for k, v in p["parts"].items())
-        lines.append(f"{name:<16}{p['wall_s']:>7.0f}{cpu:>7}  {inside}" + ("  (beside the next stage)"
-                                                                             if p["beside_next"] else ""))
+        lines.append(f"{name:<16}{p['wall_s']:>7.0f}{cpu:>7}{peak:>6}  {inside}"
+                     + ("  (beside the next stage)" if p["beside_next"] else ""))
     startups = sum(p["parts"].get("startup_and_save", 0.0) for p in phases.values() if not p["beside_next"])
     lines.append(f"{'all':<16}{wall:>7.0f}{'':>7}  start-ups and saving outside the evaluations beside training: "
                  f"{startups:.0f} s" + ("; the rows add up to more: evaluations ran beside training"
                                           if any(p["beside_next"] for p in phases.values()) else ""))
+    at_once = peak_at_once(phases)
+    if at_once:
+        lines.append(f"memory: at most {at_once:.1f} GiB at once (each command's largest process at its peak, summed "
+                     "over the commands that overlapped)")
     return phases, "\n".join(lines)
+
+
+def peak_at_once(phases: dict) -> float | None:
+    """An upper bound on the memory in use at once: the largest sum of the `peak_gib` of commands whose wall-clock
+    spans overlap (each at its own peak, as if those peaks coincided); None where a peak is unknown."""
+    if not phases or any(p.get("peak_gib") is None for p in phases.values()):
+        return None
+    spans = [(p["start_s"], p["start_s"] + p["wall_s"], p["peak_gib"]) for p in phases.values()]
+    return max(sum(g for s, e, g in spans if s <= start < e) for start, _, _ in spans)
 
 
 def summarize(results: dict, wall: float) -> dict:
