@@ -102,7 +102,7 @@ def train_step(step: int, cfg: TrainConfig, run: Stage) -> dict:
     t1 = time.perf_counter()
     run.peers.phase("update")
     if hasattr(run.sampler, "sleep"):
-        run.sampler.sleep()  # colocated vLLM: free the GPU memory of its weights and KV cache for the update
+        run.sampler.sleep()  # free the sampler's KV cache for the update (colocated vLLM: its weights' memory too)
     work, plan = update_work(acc, scores, kept, dict(zip(claims.slots, trajs)), cfg.updates_per_step,
                              cfg.max_tokens_per_micro_batch, cfg.micro_batch_size, cfg.schedule,
                              layout_for(cfg.max_tokens_per_micro_batch, run.one_row))

@@ -215,7 +215,17 @@ def make_sampler(cfg: TrainConfig, model, tokenizer):
                            enable_sleep_mode=cfg.vllm_enable_sleep_mode,
                            sleep_mode_offload_cudagraph=cfg.vllm_sleep_mode_offload_cudagraph,
                            group_timeout_s=cfg.process_group_timeout_s, **launcher)
-    return HFSampler(model, tokenizer, batch_size=cfg.rollout_batch_size)
+    return HFSampler(model, tokenizer, batch_size=cfg.rollout_batch_size, kv_dtype=autocast_kv_dtype(cfg, model))
+
+
+def autocast_kv_dtype(cfg: TrainConfig, model) -> torch.dtype | None:
+    """bf16 for the HF sampler's KV cache where its model is the trainer's own under bf16 mixed precision: there
+    every forward runs under autocast, whose attention reads keys and values in bf16 whatever they are stored in, so
+    storing them in bf16 halves the cache (gigabytes for 128 rollouts of SmolLM2-135M) and samples the same tokens
+    and log-probs. Accelerate marks a forward it wrapped in autocast by keeping the original (`_original_forward`,
+    which its unwrap_model restores); a model without it (a copy for FSDP or LoRA) keeps its own dtype."""
+    wrapped = getattr(model, "_original_forward", None) is not None
+    return torch.bfloat16 if cfg.mixed_precision == "bf16" and wrapped else None
 
 
 # Shown on the step line above a threshold: the sampler-trainer gap (an fp32 engine's is ~1e-6, rounding in another

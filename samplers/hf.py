@@ -202,8 +202,8 @@ class HFSampler:
     and seeded runs repeat exactly only when the caller adds requests in a fixed pattern (rollout(sync_turns=True))."""
 
     def __init__(self, model, tokenizer, batch_size: int = 64, stop_ids: list[int] | None = None,
-                 prefix_cache_rows: int | None = None):
-        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+                 prefix_cache_rows: int | None = None, kv_dtype: torch.dtype | None = None):
+        self.model, self.tokenizer, self.batch_size, self.kv_dtype = model, tokenizer, batch_size, kv_dtype
         self.stops = stop_token_ids(tokenizer, model.generation_config.eos_token_id) if stop_ids is None \
             else list(stop_ids)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
@@ -408,7 +408,7 @@ class HFSampler:
             else self.model.config
         heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        dtype = next(self.model.parameters()).dtype
+        dtype = self.kv_dtype or next(self.model.parameters()).dtype
         keys = [torch.zeros(rows, heads, capacity, dim, dtype=dtype, device=self.device)
                 for _ in range(c.num_hidden_layers)]
         return _KVBuffer(keys, [torch.zeros_like(k) for k in keys], length)
@@ -434,13 +434,21 @@ class HFSampler:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    def sleep(self) -> None:
+        """Before the update (train.py): free the slot buffers and the stored prefixes, which hold every rollout's
+        keys and values (on SmolLM2-135M, 128 rollouts' take gigabytes), so that the update's activations do not
+        stack on them; the next rollout allocates them again (zeroing them costs about a second there)."""
+        assert not self.has_work(), "sleep between rollouts, not during one"
+        self.prefixes.clear()
+        self.kv = self.seen = None
+
     def update_weights(self, model, partial: bool = False) -> None:
         """`model`: the trainer's module, or (name, tensor) pairs (the gathered weights of a sharded trainer,
         streamed; with `partial`, only the weights that changed). Colocated (the trainer's own model object):
         nothing to copy. Otherwise copy the weights in.
         Either way the stored keys and values were computed with the old weights: they are dropped. On an
-        accelerator the slot buffers are freed for the update (allocated again by the next rollout); on the CPU
-        they are kept, since memory is plentiful there and zeroing them again each step is not free."""
+        accelerator the slot buffers are freed too (allocated again by the next rollout); on the CPU they are kept
+        here (train.py frees them before the update with `sleep`)."""
         assert not self.has_work(), "update_weights between rollouts, not during one"
         self.prefixes.clear()
         if self.device.type != "cpu":

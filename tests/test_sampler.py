@@ -226,6 +226,55 @@ def test_hf_sampler_is_seedable_keeps_order_and_restores_train_mode(tiny):
     model.eval()
 
 
+def test_hf_sampler_sleep_frees_its_keys_and_values_and_the_next_rollout_is_the_same(tiny):
+    _, tok, model = tiny
+    sampler = HFSampler(model, tok, batch_size=4)
+    prompts = prompts_of(tok, ["zzzzzzzzzz", "y", "xxxxx"])
+    torch.manual_seed(5)
+    a = sampler.generate(prompts, [12, 12, 12])
+    assert sampler.kv is not None and sampler.prefixes.entries  # kept between rollouts, until the update
+    sampler.sleep()
+    assert sampler.kv is None and sampler.seen is None and not sampler.prefixes.entries
+    torch.manual_seed(5)
+    b = sampler.generate(prompts, [12, 12, 12])
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert sum(a[0].logprobs + a[2].logprobs) == pytest.approx(sum(b[0].logprobs + b[2].logprobs), abs=1e-4)
+
+
+KV_PROBE = """
+import sys, torch, accelerate
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from plumbing import rl_stage, handoff
+from train import TrainConfig
+path = sys.argv[1]
+tok = AutoTokenizer.from_pretrained(path)
+acc = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+model = acc.prepare(AutoModelForCausalLM.from_pretrained(path))
+cfg = TrainConfig(data=["x.jsonl"], mixed_precision="bf16", rollout_batch_size=4)
+sampler = rl_stage.make_sampler(cfg, handoff.sampler_policy(cfg, acc, model), tok)
+plain = rl_stage.make_sampler(cfg, AutoModelForCausalLM.from_pretrained(path), tok)
+full = rl_stage.make_sampler(TrainConfig(data=["x.jsonl"], rollout_batch_size=4), acc.unwrap_model(model), tok)
+print(sampler.kv_dtype, plain.kv_dtype, full.kv_dtype)
+prompts = [tok.encode(t, add_special_tokens=False) for t in ["zzzzzzzzzz", "y", "xxxxx"]]
+out = []
+for s in (sampler, full):
+    torch.manual_seed(0)
+    out.append(s.generate(prompts, [16, 16, 16]))
+assert sampler.kv.k[0].dtype == torch.bfloat16 and full.kv.k[0].dtype == torch.float32
+print(all(a.token_ids == b.token_ids and a.logprobs == b.logprobs for a, b in zip(*out)))
+"""
+
+
+def test_hf_sampler_stores_keys_and_values_in_bf16_only_under_the_trainer_s_autocast_and_samples_the_same(tiny):
+    path = tiny[0]
+    done = __import__("subprocess").run([sys.executable, "-c", KV_PROBE, str(path)], cwd=ROOT, capture_output=True,
+                                        text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # the trainer's own model under bf16: a bf16 cache; a plain model, or no mixed precision: the weights' dtype;
+    # and the bf16 cache samples exactly what an fp32 one does under the same autocast
+    assert done.stdout.split("\n")[-3:-1] == ["torch.bfloat16 None None", "True"], done.stdout
+
+
 def test_hf_sampler_greedy(tiny):
     _, tok, model = tiny
     sampler = HFSampler(model, tok)
