@@ -154,10 +154,12 @@ def test_the_watchdog_reads_every_peer_in_one_multi_get_a_poll_whatever_the_worl
     atexit.register = lambda f: None
     try:
         peers[0].watch(counting)
-        time.sleep(1.0)  # about 20 polls of 0.05 s
+        deadline = time.time() + 30.0  # polls of 0.05 s: 10 and more (fewer a second on a loaded machine)
+        while len(counting.calls) < 4 + world - 1 + 11 * 4 and time.time() < deadline:
+            time.sleep(0.05)
     finally:
         atexit.register = real
-    calls, poll = counting.calls, ["add", "check", "add", "multi_get"]  # beat, stop?, errors, every peer
+    calls, poll = list(counting.calls), ["add", "check", "add", "multi_get"]  # beat, stop?, errors, every peer
     assert calls[:4 + world - 1] == ["set", "add", "check", "add"] + ["add"] * (world - 1)  # the first poll
     later = calls[4 + world - 1:]
     assert len(later) >= 10 * len(poll) and later[:len(later) // 4 * 4] == poll * (len(later) // 4), calls[-12:]
