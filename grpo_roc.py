@@ -146,7 +146,14 @@ def _select_all(pos, pos_penalty, neg, n_pos_keep, n_neg_keep, generator):
     return pos + neg
 
 
-ROC_SELECTORS = {"sample": _select_sample, "lowest": _select_lowest, "off": _select_all}
+def _select_uniform(pos, pos_penalty, neg, n_pos_keep, n_neg_keep, generator):
+    """Plain GRPO's down-sampling (an ablation): RoC's counts, positives and negatives both uniformly at random, so
+    the only difference from "sample" is that clean positives are not preferred."""
+    return ([pos[i] for i in torch.randperm(len(pos), generator=generator)[:n_pos_keep]]
+            + [neg[i] for i in torch.randperm(len(neg), generator=generator)[:n_neg_keep]])
+
+
+ROC_SELECTORS = {"sample": _select_sample, "lowest": _select_lowest, "off": _select_all, "uniform": _select_uniform}
 
 
 def resample_on_correct(rewards, penalties, keep: int, mode: str = "sample", generator=None) -> list[int]:
@@ -154,7 +161,8 @@ def resample_on_correct(rewards, penalties, keep: int, mode: str = "sample", gen
 
     rewards: (2G,) 0/1 list or tensor; a rollout is positive when its reward is > 0.
     penalties: (2G,) p_total per rollout (only the positives' are used). generator: torch.Generator for mode="sample".
-    mode: a key of ROC_SELECTORS ("sample": report; "lowest": public code; "off": all of them, keep = 2G).
+    mode: a key of ROC_SELECTORS ("sample": report; "lowest": public code; "off": all of them, keep = 2G;
+    "uniform": RoC's counts drawn at random, plain GRPO's down-sampling).
     """
     if mode not in ROC_SELECTORS:
         raise ValueError(f"unknown RoC mode {mode!r}; valid modes: {sorted(ROC_SELECTORS)}")

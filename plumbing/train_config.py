@@ -46,7 +46,7 @@ class TrainConfig:
     prompts_per_step: int = 512           # B (over all ranks)
     rollouts_per_prompt: int = 32         # 2G sampled per prompt
     group_size: int = 16                  # G kept per prompt after RoC
-    roc_mode: str = "sample"              # a key of grpo_roc.ROC_SELECTORS: sample (report) | lowest (public code)
+    roc_mode: str = "sample"              # a key of grpo_roc.ROC_SELECTORS: sample (report) | lowest (public code) | off | uniform (ablations)
                                           # | off (plain GRPO: keep all 2G)
     loss_agg: str = "token"               # token (report, DAPO-style) | sequence (original GRPO), for ablations
     clip_low: float = 0.2                 # epsilon_low; binds only when updates_per_step > 1: with one

@@ -16,16 +16,17 @@ def test_arms_differ_only_in_the_resampling_fields(monkeypatch, tmp_path):
     monkeypatch.setattr(ablation.subprocess, "run", lambda cmd, check, env: calls.append(cmd))
     args = argparse.Namespace(
         root=str(tmp_path), sft="runs/tiny/sft/model", data="task", config="configs/ablation/rl.yaml", steps=7,
-        eval_every=5, eval_limit=100, eval_samples=2, override=["lr=1e-4"])
+        eval_every=5, eval_limit=100, eval_samples=2, override=["lr=1e-4"], train="train_level1.jsonl")
     for arm in ablation.ARMS:
         ablation.run_arm(arm, 3, args)
     fields = [dict(a.split("=", 1) for a in cmd[3:]) for cmd in calls]
     assert fields[0]["data"] == "[task/train_level1.jsonl]" and fields[0]["eval_data"] == "task/test.jsonl"
-    assert [f["roc_mode"] for f in fields] == ["sample", "off", "lowest"]
-    assert [(f["rollouts_per_prompt"], f["group_size"]) for f in fields] == [("8", "4"), ("4", "4"), ("8", "4")]
+    assert [f["roc_mode"] for f in fields] == ["sample", "off", "lowest", "uniform"]
+    assert [(f["rollouts_per_prompt"], f["group_size"]) for f in fields] == [("8", "4"), ("4", "4"), ("8", "4"),
+                                                                             ("8", "4")]
     same = [{k: v for k, v in f.items() if k not in ("roc_mode", "rollouts_per_prompt", "group_size", "out_dir")}
             for f in fields]
-    assert same[0] == same[1] == same[2] and same[0]["seed"] == "3" and same[0]["lr"] == "1e-4"
+    assert same[0] == same[1] == same[2] == same[3] and same[0]["seed"] == "3" and same[0]["lr"] == "1e-4"
     for cmd in calls:  # every arm is a valid train.py configuration
         cfg = load_config(TrainConfig, [cmd[2]], cmd[3:])
         assert cfg.steps == 7 and cfg.group_size == 4
@@ -123,3 +124,53 @@ def test_check_finding_on_hand_made_metrics():
     checks = ablation.check_finding(runs)
     assert [c["ok"] for c in checks] == [True, True, True, False]
     assert checks[3]["value"] == "0.620 vs 0.820, spread 0.057"
+
+
+def test_ablation_smol_arms_differ_only_in_the_selector(monkeypatch, tmp_path):
+    from smol import ablation as smol_ablation
+    calls = []
+    monkeypatch.setattr(ablation.subprocess, "run", lambda cmd, check, env: calls.append(cmd))
+    args = ablation.parse(smol_ablation.ARGS + ["--root", str(tmp_path)])
+    assert args.arms == ["roc", "uniform", "lowest"] and args.baseline == "uniform" and args.seeds == [0, 1, 2]
+    for arm in args.arms:
+        ablation.run_arm(arm, 1, args)
+    fields = [dict(a.split("=", 1) for a in cmd[3:]) for cmd in calls]
+    assert [f["roc_mode"] for f in fields] == ["sample", "uniform", "lowest"]
+    same = [{k: v for k, v in f.items() if k not in ("roc_mode", "out_dir")} for f in fields]
+    assert same[0] == same[1] == same[2]
+    assert same[0]["rollouts_per_prompt"] == "8" and same[0]["group_size"] == "4" and same[0]["seed"] == "1"
+    assert same[0]["data"] == "[runs/smol/data/train.jsonl]" and same[0]["prompts_per_step"] == "6"
+    for cmd in calls:  # the smol stage-1 config with the arm's fields, a valid train.py configuration
+        assert cmd[2] == "configs/smollm2-135m/stage1.yaml"
+        cfg = load_config(TrainConfig, [cmd[2]], cmd[3:])
+        assert cfg.steps == 15 and cfg.prompts_per_step == 6 and cfg.save_every == 3
+
+
+def test_held_out_reads_each_arm_s_evaluation_and_the_transfer_family(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "test.jsonl").write_text("".join(json.dumps({"problem": str(i), "answer": "1", "family": f}) + "\n"
+                                             for i, f in enumerate(["a", "a", "t", "t"])))
+    for arm, rewards in (("roc", [1, 0, 1, 0]), ("uniform", [1, 1, 0, 0])):
+        (tmp_path / f"{arm}-seed0" / "eval").mkdir(parents=True)
+        (tmp_path / f"{arm}-seed0" / "eval" / "trajectories.jsonl").write_text(
+            "".join(json.dumps({"problem_index": i, "reward": r}) + "\n" for i, r in enumerate(rewards)))
+    held = ablation.read_held_out(tmp_path, ["roc", "uniform", "lowest"], [0], data, "t")
+    assert held == {"roc": [{"pass@1": 0.5, "transfer": 0.5}], "uniform": [{"pass@1": 0.5, "transfer": 0.0}]}
+
+
+def test_window_table_takes_the_windows_per_seed_with_a_bootstrap_interval():
+    def rows(err):
+        return [{"step": s, ablation.ERR: e, "rollout/response_tokens_mean": 10.0 * s} for s, e in enumerate(err, 1)]
+    runs = {"roc": [rows([0.4, 0.2, 0.1, 0.0]), rows([0.4, 0.4, 0.2, 0.2])],
+            "uniform": [rows([0.4, 0.4, 0.4, 0.4]), rows([0.2, 0.4, 0.3, 0.3])]}
+    table = ablation.window_table(runs, first=2, last=2, held_out={"roc": [{"pass@1": 0.3, "transfer": None}]})
+    roc, uni = table["roc"], table["uniform"]
+    assert roc["err_in_correct_last"] == pytest.approx(0.125)  # seeds 0.05 and 0.2
+    assert (roc["err_in_correct_last_min"], roc["err_in_correct_last_max"]) == pytest.approx((0.05, 0.2))
+    low, high = roc["err_in_correct_last_ci"]
+    assert 0.0 <= low < 0.125 < high <= 0.2
+    assert roc["err_in_correct_first"] == pytest.approx(0.35) and uni["err_in_correct_last"] == pytest.approx(0.35)
+    assert roc["response_tokens_last"] == pytest.approx(35.0)
+    assert roc["held_out_pass@1"] == 0.3 and "held_out_transfer" not in roc and "held_out_pass@1" not in uni
+    assert "| roc | 2 | 0.125 [0.050, 0.200]" in ablation.window_markdown(table, 2, 2)

@@ -238,11 +238,11 @@ def test_sample_is_reproducible_with_a_pinned_generator_and_varies_without():
     assert len({tuple(draw(s)) for s in range(20)}) > 10
 
 
-def _frequencies(rewards, penalties, keep, draws=4000):
+def _frequencies(rewards, penalties, keep, draws=4000, mode="sample"):
     g = torch.Generator().manual_seed(0)
     counts = [0] * len(rewards)
     for _ in range(draws):
-        for i in resample_on_correct(rewards, penalties, keep, generator=g):
+        for i in resample_on_correct(rewards, penalties, keep, mode=mode, generator=g):
             counts[i] += 1
     return [c / draws for c in counts]
 
@@ -282,6 +282,14 @@ def test_sample_takes_clean_positives_first():
     # a clean positive (p_total = 0) has weight 1e6, so it is kept over a p_total = 0.5 one every time
     freq = _frequencies([1, 1, 0, 0, 0, 0], [0.5, 0.0, 0, 0, 0, 0], 3, draws=500)
     assert freq[1] == 1.0 and freq[0] == 0.0
+
+
+@pytest.mark.spec
+def test_uniform_keeps_roc_counts_but_does_not_prefer_clean_positives():
+    # the case above where "sample" keeps the clean positive every time: here each positive half the time
+    freq = _frequencies([1, 1, 0, 0, 0, 0], [0.5, 0.0, 0, 0, 0, 0], 3, draws=2000, mode="uniform")
+    assert abs(freq[0] - 0.5) < 0.05 and abs(freq[1] - 0.5) < 0.05 and freq[0] + freq[1] == 1.0
+    assert all(abs(f - 0.5) < 0.05 for f in freq[2:])  # 2 of 4 negatives
 
 
 @pytest.mark.spec

@@ -66,6 +66,7 @@ def roc_arms(modes) -> dict[str, list[str]]:
 
 
 ARMS = roc_arms(ROC_SELECTORS)
+DEFAULT_ARMS = ["roc", "grpo", "lowest"]  # the report's two rules and the public code's; --arms adds "uniform"
 # The ablation's setting (module docstring). The tool's error form must be the same in the task's SFT data and in
 # configs/ablation/rl.yaml (tool_error_format), so that RL shows the model the text SFT taught it to read.
 ERROR_FORMAT = "last_line"
@@ -127,15 +128,17 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def check_finding(runs: dict, first: int = FIRST, last: int = LAST) -> list[dict]:
+def check_finding(runs: dict, first: int = FIRST, last: int = LAST, baseline: str = "grpo") -> list[dict]:
     """The report's finding as four checks on the arms' metrics. runs: {"roc": [rows of seed 0, ...], "grpo": [...]},
     rows being one run's metrics.jsonl lines (dicts with "step", ERR and, at eval steps, "eval/accuracy"); seeds
-    are averaged with equal weight. Returns [{"check", "value", "ok"}]:
+    are averaged with equal weight; `baseline` names the plain-GRPO arm ("grpo": G sampled, all kept; "uniform": 2G
+    sampled, G kept at random). Returns [{"check", "value", "ok"}]:
     1. GRPO's error rate in correct rollouts over the last `last` steps is at least twice RoC's;
     2. every GRPO seed is above every RoC seed there;
     3. GRPO plateaus: its last-`last` rate is at least half its rate over the first `first` steps;
     4. RoC's final held-out accuracy is not below GRPO's by more than the seed spread (the larger standard
        deviation over seeds of the two arms)."""
+    runs = {"roc": runs["roc"], "grpo": runs[baseline]}
     late = {arm: [window_mean(rows, ERR, last=last) for rows in runs[arm]] for arm in ("roc", "grpo")}
     early = [window_mean(rows, ERR, first=first) for rows in runs["grpo"]]
     acc = {arm: [curve(rows, "eval/accuracy", 1)[-1][1] for rows in runs[arm]] for arm in ("roc", "grpo")}
@@ -154,6 +157,69 @@ def check_finding(runs: dict, first: int = FIRST, last: int = LAST) -> list[dict
         {"check": "RoC's held-out accuracy not below GRPO's beyond the seed spread",
          "value": f"{acc_roc:.3f} vs {acc_grpo:.3f}, spread {spread:.3f}", "ok": acc_roc >= acc_grpo - spread},
     ]
+
+
+def bootstrap_interval(per_seed: list[list[float]], draws: int = 2000, seed: int = 0,
+                       level: float = 0.95) -> tuple[float, float]:
+    """A percentile bootstrap interval of an arm's mean over seeds, each seed's value the mean of its steps'
+    values: seeds are drawn with replacement, then steps within each drawn seed (both sources of noise).
+    per_seed: one list of step values (NaN-free) per seed. Returns (low, high)."""
+    import random
+    rng, means = random.Random(seed), []
+    seeds = [v for v in per_seed if v]
+    for _ in range(draws):
+        picked = [rng.choices(seeds)[0] for _ in seeds]
+        means.append(statistics.fmean(statistics.fmean(rng.choices(v, k=len(v))) for v in picked))
+    means.sort()
+    tail = (1 - level) / 2
+    return means[int(tail * draws)], means[min(draws - 1, int((1 - tail) * draws))]
+
+
+def window_values(rows: list[dict], key: str, first: int = 0, last: int = 0) -> list[float]:
+    """A metric's values at steps 1..first (first > 0) or at the last `last` steps of the run (NaN skipped)."""
+    end = max(r["step"] for r in rows)
+    steps = range(1, first + 1) if first else range(end - last + 1, end + 1)
+    return [v for s, v in curve(rows, key, 1) if s in steps]
+
+
+def window_table(runs: dict, first: int = FIRST, last: int = LAST, held_out: dict | None = None) -> dict:
+    """Per arm, the finding's numbers: the tool-error rate inside correct rollouts over the last `last` steps (mean
+    over seeds, min and max over seeds, a bootstrap interval), over the first `first` steps, the response tokens
+    over the last `last` steps, and (held_out: {arm: [{"pass@1", "transfer"} of each seed]}) held-out pass@1."""
+    table = {}
+    for arm, per_seed in runs.items():
+        late = [window_values(rows, ERR, last=last) for rows in per_seed]
+        late_means = [statistics.fmean(v) for v in late if v]
+        row = {"err_in_correct_last": statistics.fmean(late_means) if late_means else float("nan"),
+               "err_in_correct_last_min": min(late_means, default=float("nan")),
+               "err_in_correct_last_max": max(late_means, default=float("nan")),
+               "err_in_correct_last_ci": bootstrap_interval(late) if late_means else (float("nan"),) * 2,
+               "err_in_correct_first": statistics.fmean(window_mean(rows, ERR, first=first) for rows in per_seed),
+               "response_tokens_last": statistics.fmean(window_mean(rows, "rollout/response_tokens_mean", last=last)
+                                                        for rows in per_seed),
+               "seeds": len(per_seed)}
+        for name in ("pass@1", "transfer"):
+            values = [h[name] for h in (held_out or {}).get(arm, []) if h.get(name) is not None]
+            if values:
+                row[f"held_out_{name}"] = statistics.fmean(values)
+                row[f"held_out_{name}_range"] = (min(values), max(values))
+        table[arm] = row
+    return table
+
+
+def window_markdown(table: dict, first: int, last: int) -> str:
+    lines = [f"| arm | seeds | err in correct, last {last} steps: mean [min, max] (95% bootstrap) | first {first} steps "
+             f"| response tokens, last {last} | held-out pass@1 [min, max] | transfer pass@1 |",
+             "|---|---|---|---|---|---|---|"]
+    for arm, r in table.items():
+        low, high = r["err_in_correct_last_ci"]
+        held = (f"{r['held_out_pass@1']:.3f} [{r['held_out_pass@1_range'][0]:.3f}, {r['held_out_pass@1_range'][1]:.3f}]"
+                if "held_out_pass@1" in r else "-")
+        transfer = f"{r['held_out_transfer']:.3f}" if "held_out_transfer" in r else "-"
+        lines.append(f"| {arm} | {r['seeds']} | {r['err_in_correct_last']:.3f} [{r['err_in_correct_last_min']:.3f}, "
+                     f"{r['err_in_correct_last_max']:.3f}] ({low:.3f}-{high:.3f}) | {r['err_in_correct_first']:.3f} "
+                     f"| {r['response_tokens_last']:.0f} | {held} | {transfer} |")
+    return "\n".join(lines) + "\n"
 
 
 def summarize(curves: dict) -> dict:
@@ -230,12 +296,39 @@ def run_arm(arm: str, seed: int, args) -> Path:
     out = Path(args.root) / f"{arm}-seed{seed}"
     if (out / "model" / "config.json").is_file():
         return out
-    cmd = ["train.py", args.config, f"model_path={args.sft}", f"data=[{args.data}/train_level1.jsonl]",
+    cmd = ["train.py", args.config, f"model_path={args.sft}", f"data=[{args.data}/{args.train}]",
            f"out_dir={out}", f"seed={seed}", f"steps={args.steps}", f"eval_data={args.data}/test.jsonl",
            f"eval_every={args.eval_every}", f"eval_limit={args.eval_limit}", f"eval_samples={args.eval_samples}",
            f"save_every={args.eval_every}"] + ARMS[arm] + args.override
     run(cmd, out.name, Path(args.root) / TIMINGS)
     return out
+
+
+def evaluate_arm(out: Path, args) -> None:
+    """eval.py `--final-eval` (a config) on the arm's final model over the task's test split, into out/eval
+    (skipped when its results exist)."""
+    if args.final_eval and not (out / "eval" / "results.json").is_file():
+        run(["eval.py", args.final_eval, f"model_path={out / 'model'}", f"out_dir={out / 'eval'}",
+             f"benchmarks=[{args.data}/test.jsonl]"], f"{out.name}/eval", Path(args.root) / TIMINGS)
+
+
+def read_held_out(root: Path, arms, seeds, data: Path, transfer: str | None) -> dict:
+    """{arm: [{"pass@1", "transfer"} per seed]} from each arm's out/eval (eval.py's trajectories; `transfer`: a
+    test-row `family` whose pass@1 is reported alone); arms without evaluations are left out."""
+    if not (data / "test.jsonl").is_file():
+        return {}
+    families = [json.loads(line).get("family") for line in (data / "test.jsonl").read_text().splitlines()]
+    held = {}
+    for arm in arms:
+        for seed in seeds:
+            path = root / f"{arm}-seed{seed}" / "eval" / "trajectories.jsonl"
+            if not path.is_file():
+                continue
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            moved = [r["reward"] for r in rows if families[r["problem_index"]] == transfer]
+            held.setdefault(arm, []).append({"pass@1": statistics.fmean(r["reward"] for r in rows),
+                                             "transfer": statistics.fmean(moved) if moved else None})
+    return held
 
 
 def plot(curves: dict, root: Path) -> list[Path]:
@@ -284,13 +377,20 @@ def collect(runs: dict, smooth: int) -> dict:
     return curves
 
 
-def main(argv=None) -> None:
+def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", default="runs/ablation")
     p.add_argument("--sft", default=None, help="start every arm from this SFT checkpoint (default: build the setting)")
-    p.add_argument("--data", default=None, help="task folder with train_level1.jsonl and test.jsonl (with --sft)")
+    p.add_argument("--data", default=None, help="task folder with the training file and test.jsonl (with --sft)")
+    p.add_argument("--train", default="train_level1.jsonl", help="the training problems' file in --data")
     p.add_argument("--config", default="configs/ablation/rl.yaml")
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
+    p.add_argument("--baseline", default="grpo", choices=list(ARMS),
+                   help="the plain-GRPO arm the finding compares RoC with (uniform: 2G sampled, G kept at random)")
+    p.add_argument("--first", type=int, default=FIRST, help="the finding's early window, in steps")
+    p.add_argument("--last", type=int, default=LAST, help="the finding's late window, in steps")
+    p.add_argument("--final-eval", default=None, help="an eval.py config: each arm's final model on test.jsonl")
+    p.add_argument("--transfer", default=None, help="a test-row family reported alone (with --final-eval)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--eval-every", type=int, default=10)
@@ -299,7 +399,11 @@ def main(argv=None) -> None:
     p.add_argument("--smooth", type=int, default=5)
     p.add_argument("--override", nargs="*", default=[], help="extra train.py key=value for every arm")
     p.add_argument("--report-only", action="store_true", help="only read the finished runs and write the outputs")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     if (args.sft is None) != (args.data is None):
@@ -311,16 +415,19 @@ def main(argv=None) -> None:
     if not args.report_only:
         for seed in args.seeds:  # seed-major: a stopped ablation already has every arm for the first seeds
             for arm in args.arms:
-                run_arm(arm, seed, args)
+                evaluate_arm(run_arm(arm, seed, args), args)
     cost = read_error_cost(root)
     runs = read_runs(root, args.arms, args.seeds)
     table = summarize(collect(runs, args.smooth))
     pngs = plot(collect(runs, args.smooth), root)
-    checks = check_finding(runs) if {"roc", "grpo"} <= set(args.arms) else []
-    (root / "ablation.json").write_text(json.dumps({"args": vars(args), "final": table, "sft_error_cost": cost,
-                                                    "finding": checks}, indent=1))
-    (root / "ablation.md").write_text(markdown(table))
-    print("\n" + markdown(table))
+    checks = (check_finding(runs, args.first, args.last, args.baseline)
+              if {"roc", args.baseline} <= set(args.arms) else [])
+    windows = window_table(runs, args.first, args.last,
+                           read_held_out(root, args.arms, args.seeds, Path(args.data), args.transfer))
+    (root / "ablation.json").write_text(json.dumps({"args": vars(args), "final": table, "windows": windows,
+                                                    "sft_error_cost": cost, "finding": checks}, indent=1))
+    (root / "ablation.md").write_text(markdown(table) + "\n" + window_markdown(windows, args.first, args.last))
+    print("\n" + markdown(table) + "\n" + window_markdown(windows, args.first, args.last))
     if cost:
         print("SFT model, held-out level 1 at the RL temperature:\n" + cost_lines(cost))
     for c in checks:
