@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/rollout.py [--n 32 --threads 1 --sft-steps 150 --model-dir DIR --rounds 3]
     .venv-vllm/bin/python bench/rollout.py --vllm  # the same workload on vLLM too (its CPU build: fp32)
+    .venv-vllm/bin/python bench/rollout.py --vllm --bf16 --model runs/smol/sft/model \
+        --problems runs/smol/data/train.jsonl --config configs/smollm2-135m/rl.yaml --n 64 --max-response-tokens 256
+                                                  # a real LM: make smol's SFT model of SmolLM2-135M, its prompts
 
 What is compared, on the same tiny model and the same N prompts, in each round:
 - agentic: `rollout.rollout` with HFSampler (continuous batching) and the real CodeTool: several turns per rollout,
@@ -33,9 +36,15 @@ answer) with loss on the assistant tokens only. Rollouts then SAMPLE from that m
 is forced, so some calls are malformed or wrong, as in real RL. The numbers it copies are usually wrong; that does
 not matter for throughput.
 
+With --model, the model is that checkpoint instead (no fine-tuning here), the problems the first N of --problems
+(a task's JSONL), and the prompt and tool markup --config's (its system prompt, user instruction and tool name).
+--bf16 runs as train.py does under mixed_precision bf16: HFSampler and `generate` under bf16 autocast (HFSampler's
+KV cache in bf16), vLLM in bf16.
+
 torch threads: `--threads 1` (default) leaves the second core to the tool's workers (plumbing/cpu_threads.py).
 """
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -184,21 +193,31 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3, help="repeat the whole comparison; medians are reported")
     p.add_argument("--vllm", action="store_true", help="also vLLM (its CPU build here: fp32, eager)")
+    p.add_argument("--model", default=None, help="a checkpoint to roll out instead of the tiny tool model")
+    p.add_argument("--problems", default=None, help="with --model: a JSONL of {problem, answer}, the first N used")
+    p.add_argument("--config", default=None, help="with --model: a train.py config whose prompt and tool markup apply")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (HFSampler, generate) and a bf16 vLLM")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
-    fmt = chat_format("compact")
-    model_dir = tiny_tool_model(a, fmt)
+    if a.model:
+        fmt, model_dir = config_format(a.config), Path(a.model)
+        problems = [json.loads(line)["problem"] for line in Path(a.problems).read_text().splitlines()[:a.n]]
+    else:
+        fmt = chat_format("compact")
+        model_dir = tiny_tool_model(a, fmt)
+        rng = random.Random(a.seed + 1)
+        problems = [conversation(rng)[0] for _ in range(a.n)]
     tokenizer, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
     model.eval()
-    rng = random.Random(a.seed + 1)
-    problems = [conversation(rng)[0] for _ in range(a.n)]
+    if a.bf16:  # as Accelerate runs the trainer's forward under mixed_precision bf16
+        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
     prompts = [tokenizer.encode(fmt.prompt(q), add_special_tokens=False) for q in problems]
     engine = None
     if a.vllm:
         from samplers.vllm_engine import VLLMSampler
-        engine = VLLMSampler(str(model_dir), tokenizer, dtype="float32", enforce_eager=True, seed=a.seed,
-                             kv_cache_memory_bytes=256 << 20)
+        engine = VLLMSampler(str(model_dir), tokenizer, dtype="bfloat16" if a.bf16 else "float32",
+                             enforce_eager=True, seed=a.seed, kv_cache_memory_bytes=(1 << 30) if a.model else 256 << 20)
         generate_all(engine, prompts, [16] * a.n)  # warm the engine: its first steps are slow
     rounds = []  # per round: {mode: {name: row}}
     with CodeTool(workers=a.workers) as tool:
@@ -209,11 +228,20 @@ def main():
         workers, sandbox = tool.workers, tool.sandbox
     if engine is not None:
         engine.close()
-    print(f"\nN={a.n}, torch threads={a.threads}, tool workers={workers}, sandbox={sandbox}, "
+    print(f"\nmodel {model_dir if a.model else 'tiny'} ({'bf16 autocast' if a.bf16 else 'fp32'}), "
+          f"N={a.n}, torch threads={a.threads}, tool workers={workers}, sandbox={sandbox}, "
           f"budget={a.max_response_tokens}, max_turns={a.max_turns}; round 1 of {a.rounds}:")
     print_round(rounds[0])
     print_medians(rounds)
     print_breakdown(rounds[0]["continuous"])
+
+
+def config_format(path: str):
+    """The ChatFormat of a train.py config file (its prompt and tool-markup fields)."""
+    from plumbing.config import load_config
+    from plumbing.train_config import TrainConfig
+    from protocol import chat_format_of
+    return chat_format_of(load_config(TrainConfig, [path], ["data=[unused.jsonl]"]))
 
 
 def tiny_tool_model(a, fmt) -> Path:
@@ -235,11 +263,12 @@ def tiny_tool_model(a, fmt) -> Path:
 def measure(model, tokenizer, engine, fmt, tool, problems, prompts, a, sync_turns: bool) -> dict:
     """One agentic rollout on HFSampler and its two plain twins, and with a vLLM engine one on VLLMSampler and its
     vLLM twin: {name: row}, a row being sampled, read, ctx, wall, cpu (this process), gen, and more."""
-    probe = Probe(HFSampler(model, tokenizer, batch_size=a.n))
+    kv = torch.bfloat16 if a.bf16 else None  # under autocast, as train.py's sampler (plumbing/rl_stage.py)
+    probe = Probe(HFSampler(model, tokenizer, batch_size=a.n, kv_dtype=kv))
     out = {"hf agentic": agentic_row(probe, tool, tokenizer, fmt, problems, a, sync_turns)}
     out["hf agentic"]["parts"] = probe.parts
     lengths = out["hf agentic"]["lengths"]
-    twin = Probe(HFSampler(model, tokenizer, batch_size=a.n, stop_ids=[]))  # runs each budget out exactly
+    twin = Probe(HFSampler(model, tokenizer, batch_size=a.n, stop_ids=[], kv_dtype=kv))  # each budget run out
     wall, cpu, _ = clocked(generate_all, twin, prompts, lengths, temperature=1.0)
     out["HFSampler, no tools"] = twin_row(prompts, lengths, wall, cpu, twin.seconds, parts=twin.parts)
     _, cpu, seconds = clocked(plain_generate, model, tokenizer, prompts, lengths)

@@ -55,7 +55,7 @@ def test_quick_pipeline_runs_every_stage_and_a_changed_rerun_ends_with_its_own_n
         val = json.loads((root / f"val_{stage}" / "results.json").read_text())
         assert list(val["benchmarks"]) == ["val"]  # the validation split (val.jsonl)
         assert next(iter(val["benchmarks"].values()))["pass@1"] == guard["val_accuracy"][stage]
-    assert all(p["wall_s"] > 0 and p["cpu_s"] > 0 and p["peak_gib"] > 0.05 for p in phases.values())
+    assert all(p["wall_s"] > 0 and p["cpu_s"] > 0 and p["peak_gib"] > 0.01 for p in phases.values())
     assert "GiB at once" in done.stdout
     assert phases["sft"]["parts"]["training"] > 0
     for stage in ("stage1", "stage2"):
