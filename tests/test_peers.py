@@ -148,23 +148,30 @@ def test_the_watchdog_reads_every_peer_in_one_multi_get_a_poll_whatever_the_worl
     """After its first poll (an add of 0 per peer, which makes the counters of peers not started yet), a watchdog's
     poll is four round trips: its own beat, the stop and error checks, and one multi_get of every peer's counter."""
     import atexit
-    import threading
     from plumbing import accel
-    # this process's own failure flag, clear (an in-process entry point that exited with an error earlier in the
-    # test session sets it, and a failed rank's watchdog skips the error check)
+    # this process's own failure flag, clear (an entry point run in this process that exited with an error before
+    # sets it, and a failed rank's watchdog skips the error check)
     monkeypatch.setattr(accel, "FAILED", threading.Event())
-    peers = ranks(world, 30.0)
+    peers, closes, said = ranks(world, 30.0), [], []
     counting = CountingStore(peers[0].store)
+    peers[0].stop = lambda line, abort: said.append(line)  # a stop would end the test process (os._exit)
     real = atexit.register
-    atexit.register = lambda f: None
+    atexit.register = closes.append
     try:
+        before = set(threading.enumerate())
         peers[0].watch(counting)
-        deadline = time.time() + 30.0  # polls of 0.05 s: 10 and more (fewer a second on a loaded machine)
+        thread, = set(threading.enumerate()) - before
+        deadline = time.time() + 20.0  # polls of 0.05 s: 10 and more (fewer a second on a loaded machine)
         while len(counting.calls) < 4 + world - 1 + 11 * 4 and time.time() < deadline:
             time.sleep(0.05)
     finally:
         atexit.register = real
-    calls, poll = list(counting.calls), ["add", "check", "add", "multi_get"]  # beat, stop?, errors, every peer
+        calls = list(counting.calls)
+        for close in closes:
+            close()  # the watchdog ends here, not 30 s later in another test, naming its silent peers
+    thread.join(2.0)
+    assert not thread.is_alive() and said == []
+    poll = ["add", "check", "add", "multi_get"]  # beat, stop?, errors, every peer
     assert calls[:4 + world - 1] == ["set", "add", "check", "add"] + ["add"] * (world - 1)  # the first poll
     later = calls[4 + world - 1:]
     assert len(later) >= 10 * len(poll) and later[:len(later) // 4 * 4] == poll * (len(later) // 4), calls[-12:]
