@@ -222,7 +222,7 @@ if __name__ == "__main__":
         rank = os.environ.get("RANK", "0")
         shift = 0.0 if with_logprobs == "all" or rank in with_logprobs.split(",") else None
         made.append(ScriptedSampler(model, tokenizer, use_rng=os.environ.get("SCRIPTED_RNG") == "1",
-                                    logprob_shift=shift))
+                                    logprob_shift=shift, slots=cfg.rollout_batch_size))
         return made[-1]
 
     rl_stage.make_sampler = make

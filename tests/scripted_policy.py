@@ -46,12 +46,16 @@ def say_problems(n: int, start: int = 1) -> list[dict]:
 
 class ScriptedSampler(TurnSampler):
     def __init__(self, model, tokenizer, use_rng: bool = False, skip_updates: bool = False,
-                 logprob_shift: float | None = None):
+                 logprob_shift: float | None = None, slots: int | None = None):
         self.model, self.tok, self.use_rng = copy.deepcopy(model), tokenizer, use_rng
-        self.skip_updates, self.logprob_shift = skip_updates, logprob_shift
+        self.skip_updates, self.logprob_shift, self.slots = skip_updates, logprob_shift, slots
         self.dtype = next(model.parameters()).dtype if model is not None else torch.float32  # None: eval only
         self.im_end = tokenizer.convert_tokens_to_ids(IM_END)
         self.updates = 0
+
+    def kv_room(self) -> int | None:
+        """As samplers/hf.py's: `slots` free less what is queued (claim_rule=free_kv); None without slots."""
+        return None if self.slots is None else self.slots - len(self._pending())
 
     def _turn(self, text: str, copy: int) -> str:
         copy %= 4

@@ -321,7 +321,8 @@ def test_hsdp_all_reduces_across_replicas_once_per_optimizer_step(data):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_free_kv_claims_on_several_processes_give_the_count_rule_run_on_one(data, one, world):
-    """claim_rule=free_kv (a rank claims while its hf sampler reports a free slot; 3 slots, so it fills and stops):
+    """claim_rule=free_kv (a rank claims while its scripted sampler reports a free slot, as the hf sampler does; 3
+    slots, so it fills and stops):
     the rollouts, kept rollouts, counts and losses of the count rule's run on one process, and every rank claimed."""
     out = data / f"free_kv{world}"
     train("ddp", world, stage_args(data, out, data / "base", 3, ["claim_rule=free_kv", "rollout_batch_size=3"]))
