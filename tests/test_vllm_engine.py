@@ -687,8 +687,8 @@ def test_smol_train_py_on_the_engine_hands_every_update_to_the_real_llama(smol_s
     out = tmp_path / "run"
     done = subprocess.run([sys.executable, "train.py", "configs/smollm2-135m/stage1.yaml",
                            f"model_path={smol_sft / 'sft' / 'model'}", f"data=[{smol_sft / 'rl.jsonl'}]",
-                           f"out_dir={out}", "steps=2", "prompts_per_step=2", "rollouts_per_prompt=8", "group_size=4",
-                           "max_response_tokens=96", "max_turns=2", "lr=1e-5", "warmup_steps=0", "save_every=0",
+                           f"out_dir={out}", "steps=2", "prompts_per_step=4", "rollouts_per_prompt=8", "group_size=4",
+                           "max_response_tokens=256", "max_turns=2", "lr=1e-5", "warmup_steps=0", "save_every=2",
                            "sampler=vllm", f"vllm_dtype={dtype}", "vllm_enforce_eager=true", "torch_threads=1",
                            "mixed_precision=no", "eval_data=null"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
