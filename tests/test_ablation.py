@@ -44,7 +44,7 @@ def _fake_run(folder: Path, acc: list[float], err: list[float]):
     rows = []
     for step, e in enumerate(err, 1):
         row = {"step": step, "rollout/tool_error_rate_in_correct": e, "rollout/response_tokens_mean": 100.0 - step,
-               "rollout/tool_calls_mean": 1.0}
+               "rollout/tool_calls_mean": 1.0, "rollout/reward_mean": 0.1 * step}
         if step % 2 == 0:
             row["eval/accuracy"] = acc[step // 2 - 1]
         rows.append(row)
@@ -66,6 +66,7 @@ def test_report_reads_the_runs_and_writes_table_and_plots(tmp_path):
     assert final["roc"]["tool_error_rate_in_correct"]["seeds"] == pytest.approx([0.0, 0.05])
     assert final["grpo"]["tool_error_rate_in_correct"]["seeds"] == pytest.approx([0.2, 0.1])
     assert final["grpo"]["response_tokens"]["mean"] == pytest.approx(96.5)
+    assert final["roc"]["reward"]["seeds"] == pytest.approx([0.35, 0.35])  # (0.3 + 0.4) / 2
     for name, _, _ in ablation.METRICS:
         assert (tmp_path / f"ablation_{name}.png").stat().st_size > 1000
     table = (tmp_path / "ablation.md").read_text()

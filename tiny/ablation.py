@@ -23,6 +23,7 @@ It draws one PNG per metric with the arms overlaid (mean over seeds, min-max spr
 values (mean, standard deviation and spread over seeds) and checks the finding (`check_finding`, printed as
 PASS/FAIL lines and stored in ablation.json):
   accuracy                    held-out accuracy (train.py's periodic eval: eval/accuracy, temperature 0.6)
+  reward                      mean reward of each training step's sampled rollouts
   tool_error_rate_in_correct  failed calls / calls, in the reward-1 rollouts of each training step
   ..._run_mean                the same, averaged from step 1 (its final value: the mean over the whole run)
   response_tokens             mean response length of the training rollouts (tool text included)
@@ -81,6 +82,7 @@ SETTING_EVAL = ["limit=100", "samples=4", "temperature=1.0"]  # eval.py: level-1
 RUN = "run"
 ERR = "rollout/tool_error_rate_in_correct"
 METRICS = [("accuracy", "eval/accuracy", False),
+           ("reward", "rollout/reward_mean", True),
            ("tool_error_rate_in_correct", ERR, True),
            ("tool_error_rate_in_correct_run_mean", ERR, RUN),
            ("response_tokens", "rollout/response_tokens_mean", True),
